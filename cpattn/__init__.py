@@ -1,0 +1,29 @@
+"""cpattn: exact context-parallel attention on torch.distributed."""
+
+from . import kernels, layout, masks, merge, schedules
+from .api import (
+    ContextParallel,
+    allgather_attn_func,
+    ring_attn_func,
+    stripe_ring_attn_func,
+    zigzag_ring_attn_func,
+)
+from .comm import Communicator
+from .cost import Topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Communicator",
+    "ContextParallel",
+    "Topology",
+    "allgather_attn_func",
+    "kernels",
+    "layout",
+    "masks",
+    "merge",
+    "ring_attn_func",
+    "schedules",
+    "stripe_ring_attn_func",
+    "zigzag_ring_attn_func",
+]

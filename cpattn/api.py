@@ -1,0 +1,195 @@
+"""The front door: :class:`ContextParallel` and the flash-attn style ``*_attn_func`` functions."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import kernels, schedules
+from . import layout as layout_mod
+from .comm import Communicator
+from .cost import Topology
+from .masks import Mask, causal, full, resolve
+from .schedules.base import Attention, Runtime
+
+log = logging.getLogger(__name__)
+
+
+def _auto_schedule(mask: Mask) -> tuple[str, str]:
+    """Pick a schedule without a cost model: balanced zigzag ring for causal masks, ring otherwise."""
+    if mask.is_causal and mask.name == "causal":
+        return "zigzag_ring", "causal mask: the zigzag layout balances work across ranks"
+    return "ring", f"mask {mask.name!r}: ring supports every mask with O(local) memory"
+
+
+class ContextParallel:
+    """Exact attention over a sequence of ``seq_len`` tokens split across the ranks of ``group``.
+
+    ``mask``: a :class:`cpattn.masks.Mask`, ``"causal"`` or ``"full"``. ``schedule``: a name from
+    ``cpattn.schedules.available()`` or ``"auto"``. ``backend``: local kernels, ``"auto"``, ``"aten"``
+    or ``"math"``. Every argument is checked here, before any communication.
+    """
+
+    def __init__(self, seq_len: int, mask: Mask | str = "causal", schedule: str = "auto",
+                 group: dist.ProcessGroup | None = None, topology: Topology | None = None,
+                 backend: str = "auto") -> None:
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        self.mask = resolve(mask)
+        kernels.check_backend(backend)
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a cpattn.cost.Topology or None, got {type(topology).__name__}")
+        self.comm = Communicator(group)
+        self._gather_comm = Communicator(group)  # unshard traffic is not attention traffic
+        if topology is not None and topology.world != self.comm.world_size:
+            raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
+                             f"but the group has {self.comm.world_size}")
+        self.topology = topology
+        if not isinstance(schedule, str):
+            raise TypeError(f"schedule must be a name (str), got {type(schedule).__name__}")
+        if schedule == "auto":
+            schedule, why = _auto_schedule(self.mask)
+            log.debug("schedule='auto' chose %s: %s", schedule, why)
+        self.schedule = schedules.get(schedule)
+        self.schedule.check_mask(self.mask)
+        self.layout = layout_mod.Layout(self.schedule.layout_for(self.mask))
+        self.layout.check(seq_len, self.comm.world_size)
+        self.seq_len = seq_len
+        self.backend = backend
+        self._runtime = Runtime(self.comm, self.mask, self.layout, seq_len, backend=backend)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule.name
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.comm.world_size
+
+    # ------------------------------------------------------------------ layout
+    def positions(self) -> torch.Tensor:
+        """Global token index of each local token (1-D LongTensor)."""
+        return self.layout.positions(self.seq_len, self.world_size, self.rank)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a full tensor whose sequence (length ``seq_len``) is at ``dim``."""
+        if x.shape[dim] != self.seq_len:
+            raise ValueError(f"shard: tensor has {x.shape[dim]} tokens at dim {dim}, expected seq_len={self.seq_len}")
+        return layout_mod.shard(x, self.layout, self.world_size, self.rank, dim)
+
+    def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Gather every rank's local tensor; all ranks get the full tensor in original token order."""
+        if x.shape[dim] != self.local_len:
+            raise ValueError(f"unshard: tensor has {x.shape[dim]} tokens at dim {dim}, expected {self.local_len}")
+        moved = x.movedim(dim, 0).contiguous()
+        gathered = torch.empty((self.world_size, *moved.shape), dtype=x.dtype, device=x.device)
+        self._gather_comm.all_gather(gathered, moved)
+        parts = [gathered[r].movedim(0, dim) for r in range(self.world_size)]
+        return layout_mod.assemble(parts, self.layout, dim)
+
+    # ------------------------------------------------------------------ attention
+    def _validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale) -> float:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
+            if t.dtype not in kernels.SUPPORTED_DTYPES:
+                raise TypeError(f"{name}.dtype={t.dtype} is not supported; accepted: float32, bfloat16, "
+                                "float16, float64 (CPU)")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+        if q.dtype == torch.float64 and q.device.type != "cpu":
+            raise TypeError("float64 is supported on the CPU only (reference work)")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"batch differs: q has {q.shape[0]}, k/v have {k.shape[0]}")
+        if q.shape[3] != k.shape[3]:
+            raise ValueError(f"head_dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
+        for name, t in (("q", q), ("k", k)):
+            if t.shape[1] != self.local_len:
+                raise ValueError(f"{name} has {t.shape[1]} local tokens; with seq_len={self.seq_len} over "
+                                 f"{self.world_size} ranks each rank holds {self.local_len}")
+        h, hkv = q.shape[2], k.shape[2]
+        if hkv < 1 or h % hkv != 0:
+            raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+        self.schedule.check_shape(q, k, self.world_size)
+        if softmax_scale is None:
+            return kernels.default_scale(q.shape[3])
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or \
+                not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
+        return float(softmax_scale)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                  return_lse: bool = False):
+        """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` in this schedule's layout -> local ``out``
+        (and ``lse [b, h, s]`` float32 with ``return_lse``). Differentiable in q, k, v."""
+        scale = self._validate(q, k, v, softmax_scale)
+        rt = dataclasses.replace(self._runtime, scale=scale)
+        out, lse = Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.schedule, rt)
+        return (out, lse) if return_lse else out
+
+    # ------------------------------------------------------------------ accounting
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes sent/received and calls per op kind on this rank, since creation or the last reset."""
+        return self.comm.stats()
+
+    def reset_comm_stats(self) -> None:
+        self.comm.reset_stats()
+
+
+# ---------------------------------------------------------------------- functional entry points
+_CACHE: dict[tuple, ContextParallel] = {}
+
+
+def _functional(schedule_name: str):
+    def attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                  alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
+        if dropout_p:
+            raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not supported; pass 0.0")
+        if alibi_slopes is not None:
+            raise NotImplementedError("alibi_slopes is not supported; pass None")
+        if tuple(window_size) != (-1, -1):
+            raise NotImplementedError(f"window_size={tuple(window_size)} is not supported yet; pass (-1, -1)")
+        if not isinstance(q, torch.Tensor) or q.dim() != 4:
+            raise ValueError("q must be a [batch, seq, heads, head_dim] tensor")
+        world = Communicator(group).world_size
+        seq_len = q.shape[1] * world
+        key = (schedule_name, id(group), seq_len, bool(causal))
+        cp = _CACHE.get(key)
+        if cp is None:
+            cp = ContextParallel(seq_len, mask=causal_mask() if causal else full_mask(),
+                                 schedule=schedule_name, group=group)
+            _CACHE[key] = cp
+        out, lse = cp.attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
+        return (out, lse, None) if return_attn_probs else out
+
+    attn_func.__name__ = f"{schedule_name}_attn_func"
+    attn_func.__doc__ = (f"``{schedule_name}`` context-parallel attention with the flash-attn signature. Inputs are "
+                         f"this rank's tokens in the schedule's layout; returns ``out`` or ``(out, lse, None)``.")
+    return attn_func
+
+
+causal_mask, full_mask = causal, full
+
+ring_attn_func = _functional("ring")
+zigzag_ring_attn_func = _functional("zigzag_ring")
+stripe_ring_attn_func = _functional("stripe_ring")
+allgather_attn_func = _functional("allgather")

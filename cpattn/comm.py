@@ -1,0 +1,196 @@
+"""The one communicator every schedule uses.
+
+All ranks here are *group-relative* (0 .. world_size - 1 inside ``group``); conversion to the global
+ranks torch.distributed wants happens in exactly one place (:meth:`Communicator.global_rank`).
+
+Accounting (``stats()``), per op kind, counts calls and the *payload* bytes that must leave or enter
+this rank whatever algorithm the library picks:
+
+| op | bytes_sent | bytes_recv |
+|---|---|---|
+| send / recv (point-to-point) | tensor bytes | tensor bytes |
+| broadcast of N bytes | N on the root | N on every other rank |
+| reduce of N bytes | N on every non-root rank | N on the root |
+| all_gather, n bytes in per rank | (P-1) n | (P-1) n |
+| reduce_scatter, n bytes out per rank | (P-1) n | (P-1) n |
+| all_reduce of N bytes | 2 (P-1) N / P | 2 (P-1) N / P |
+| all_to_all of N bytes in per rank | (P-1) N / P | (P-1) N / P |
+
+Schedules declare their analytic volume in the same units; tests assert the two agree.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+OPS = ("send", "recv", "broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# torch >= 2.7 names the flat collectives *_single; older releases only have *_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+#: when set (tests), fresh buffers are NaN-filled so any element read before it is written shows up
+POISON_ENV = "CPATTN_POISON_BUFFERS"
+
+
+class _Done:
+    """Handle of an operation that already completed (world size 1, or a synchronous call)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class _Many:
+    def __init__(self, works) -> None:
+        self.works = list(works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Communicator:
+    """Collectives and point-to-point on one process group, with byte accounting.
+
+    ``group=None`` means WORLD; when torch.distributed is not initialised it is a one-rank world, so
+    every schedule also runs as plain local attention.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            if group is not None:
+                raise ValueError("group was given but torch.distributed is not initialised")
+            self.group = None
+            self.rank, self.world_size = 0, 1
+            self._global_ranks = [0]
+        else:
+            self.group = group if group is not None else dist.group.WORLD
+            if self.group == dist.GroupMember.NON_GROUP_MEMBER:
+                raise ValueError("this process is not a member of the given group")
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self._global_ranks = dist.get_process_group_ranks(self.group)
+        self._stats: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
+
+    # ------------------------------------------------------------------ bookkeeping
+    def global_rank(self, group_rank: int) -> int:
+        if not 0 <= group_rank < self.world_size:
+            raise ValueError(f"group rank {group_rank} outside [0, {self.world_size})")
+        return self._global_ranks[group_rank]
+
+    def _count(self, op: str, sent: int, recv: int) -> None:
+        s = self._stats[op]
+        s["calls"] += 1
+        s["bytes_sent"] += int(sent)
+        s["bytes_recv"] += int(recv)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """``{op: {"calls", "bytes_sent", "bytes_recv"}}`` plus ``"total"``, for this rank."""
+        out = {op: dict(v) for op, v in self._stats.items()}
+        out["total"] = {k: sum(v[k] for v in self._stats.values()) for k in ("calls", "bytes_sent", "bytes_recv")}
+        return out
+
+    def reset_stats(self) -> None:
+        self._stats.clear()
+
+    @staticmethod
+    def new_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """An uninitialised buffer (NaN-filled when CPATTN_POISON_BUFFERS=1)."""
+        t = torch.empty(tuple(shape), dtype=dtype, device=device)
+        if os.environ.get(POISON_ENV) == "1" and t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    # ------------------------------------------------------------------ point-to-point
+    def send_recv(self, sends: Sequence[tuple[torch.Tensor, int]] = (),
+                  recvs: Sequence[tuple[torch.Tensor, int]] = (), tag: int = 0):
+        """Batched async point-to-point: ``sends`` / ``recvs`` are ``(tensor, group_rank)`` pairs.
+        ``tag`` separates message streams between the same pair of ranks (e.g. kv vs gradients).
+        Returns a handle; wait on it before reading received tensors or reusing sent ones."""
+        ops = []
+        for t, peer in sends:
+            ops.append(dist.P2POp(dist.isend, t, self.global_rank(peer), self.group, tag))
+            self._count("send", _nbytes(t), 0)
+        for t, peer in recvs:
+            ops.append(dist.P2POp(dist.irecv, t, self.global_rank(peer), self.group, tag))
+            self._count("recv", 0, _nbytes(t))
+        if not ops:
+            return _Done()
+        return _Many(dist.batch_isend_irecv(ops))
+
+    # ------------------------------------------------------------------ collectives
+    def _finish(self, work, async_op: bool):
+        if async_op:
+            return work if work is not None else _Done()
+        if work is not None:
+            work.wait()
+        return _Done()
+
+    def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):
+        """Broadcast ``t`` (in place) from group rank ``src``."""
+        self._count("broadcast", _nbytes(t) if self.rank == src else 0, 0 if self.rank == src else _nbytes(t))
+        if self.world_size == 1:
+            return _Done()
+        return self._finish(dist.broadcast(t, self.global_rank(src), group=self.group, async_op=True), async_op)
+
+    def reduce(self, t: torch.Tensor, dst: int, op: str = "sum", async_op: bool = False):
+        """Reduce ``t`` (in place) onto group rank ``dst``; other ranks' ``t`` is scratch afterwards."""
+        self._count("reduce", 0 if self.rank == dst else _nbytes(t), _nbytes(t) if self.rank == dst else 0)
+        if self.world_size == 1:
+            return _Done()
+        work = dist.reduce(t, self.global_rank(dst), op=_REDUCE_OPS[op], group=self.group, async_op=True)
+        return self._finish(work, async_op)
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
+        p = self.world_size
+        vol = 2 * (p - 1) * _nbytes(t) // p
+        self._count("all_reduce", vol, vol)
+        if p == 1:
+            return _Done()
+        return self._finish(dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.group, async_op=True), async_op)
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """``out`` (first dim = world_size * t's first dim) receives every rank's ``t`` in rank order."""
+        p = self.world_size
+        if out.numel() != p * t.numel():
+            raise ValueError(f"all_gather: out has {out.numel()} elements, expected {p} x {t.numel()}")
+        self._count("all_gather", (p - 1) * _nbytes(t), (p - 1) * _nbytes(t))
+        if p == 1:
+            out.copy_(t.view_as(out))
+            return _Done()
+        return self._finish(_ALL_GATHER(out.view(-1), t.reshape(-1), group=self.group, async_op=True), async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """Sum ``t`` over ranks; rank r keeps the r-th of world_size equal slices in ``out``."""
+        p = self.world_size
+        if t.numel() != p * out.numel():
+            raise ValueError(f"reduce_scatter: input has {t.numel()} elements, expected {p} x {out.numel()}")
+        self._count("reduce_scatter", (p - 1) * _nbytes(out), (p - 1) * _nbytes(out))
+        if p == 1:
+            out.copy_(t.view_as(out))
+            return _Done()
+        return self._finish(_REDUCE_SCATTER(out.view(-1), t.reshape(-1), group=self.group, async_op=True), async_op)
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """Equal-split all-to-all along the first dim (slice j of ``t`` goes to rank j)."""
+        p = self.world_size
+        vol = (p - 1) * _nbytes(t) // p
+        self._count("all_to_all", vol, vol)
+        if p == 1:
+            out.copy_(t)
+            return _Done()
+        return self._finish(dist.all_to_all_single(out, t, group=self.group, async_op=True), async_op)
+
+    def barrier(self) -> None:
+        """Not counted: used by benchmarks to align ranks, never by schedules."""
+        if self.world_size > 1:
+            dist.barrier(group=self.group)

@@ -1,0 +1,161 @@
+"""Local multi-process launcher: persistent gloo worlds on 127.0.0.1.
+
+A :class:`LocalWorld` starts ``size`` worker processes once (starting a world costs seconds) and then
+runs any number of *cases* on them: ``world.run(fn, **kwargs)`` calls the importable, module-level
+``fn(**kwargs)`` on every rank and returns the per-rank results. A case that raises on a rank returns
+that rank's error; a case that hangs past its timeout, or a worker that dies, shuts the whole world
+down and raises with the case's name, so nothing blocks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch.multiprocessing as mp
+
+log = logging.getLogger(__name__)
+
+
+class WorldError(RuntimeError):
+    """A case timed out, or a worker died; the world has been shut down."""
+
+
+@dataclass
+class RankError:
+    """What a case raised on one rank."""
+
+    rank: int
+    type: str
+    message: str
+    traceback: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.type}: {self.message}"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _worker(rank: int, size: int, port: int, threads: int, env: dict, tasks, results) -> None:
+    os.environ.update(env)
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    results.put(("ready", rank, None))
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            task_id, path, kwargs = task
+            try:
+                value = _resolve(path)(**kwargs)
+                results.put((task_id, rank, ("ok", value)))
+            except BaseException as exc:  # report to the parent; the world stays usable
+                results.put((task_id, rank, ("error", RankError(rank, type(exc).__name__, str(exc),
+                                                                 traceback.format_exc()))))
+    finally:
+        dist.destroy_process_group()
+
+
+class LocalWorld:
+    """``size`` gloo processes on this machine, each with ``threads`` torch threads."""
+
+    def __init__(self, size: int, threads: int = 1, env: dict[str, str] | None = None,
+                 start_timeout: float = 120.0) -> None:
+        if size < 1:
+            raise ValueError(f"world size must be >= 1, got {size}")
+        self.size, self.threads = size, threads
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(size)]
+        self._results = ctx.Queue()
+        self._ids = itertools.count()
+        port = free_port()
+        self._procs = [ctx.Process(target=_worker, args=(r, size, port, threads, dict(env or {}),
+                                                         self._tasks[r], self._results), daemon=True)
+                       for r in range(size)]
+        for p in self._procs:
+            p.start()
+        ready: set[int] = set()
+        deadline = time.monotonic() + start_timeout
+        while len(ready) < size:
+            msg = self._get(deadline, f"starting a {size}-rank world")
+            ready.add(msg[1])
+        self.alive = True
+
+    def _get(self, deadline: float, what: str):
+        while True:
+            try:
+                return self._results.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead:
+                self.close()
+                raise WorldError(f"{what}: worker rank {dead[0][0]} exited with code {dead[0][1]}; "
+                                 f"all workers of the {self.size}-rank world were stopped")
+            if time.monotonic() > deadline:
+                self.close()
+                raise WorldError(f"{what}: timed out; all workers of the {self.size}-rank world were stopped")
+
+    def run(self, fn: str | Any, timeout: float = 120.0, name: str | None = None, **kwargs) -> list[Any]:
+        """Run ``fn(**kwargs)`` on every rank; returns per-rank values (or :class:`RankError`)."""
+        if not self.alive:
+            raise WorldError("this world was shut down; start a new one")
+        path = fn if isinstance(fn, str) else f"{fn.__module__}.{fn.__qualname__}"
+        case = name or path
+        task_id = next(self._ids)
+        for q in self._tasks:
+            q.put((task_id, path, kwargs))
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) < self.size:
+            tid, rank, (status, value) = self._get(deadline, f"case {case!r}")
+            if tid == task_id:
+                out[rank] = value
+        return [out[r] for r in range(self.size)]
+
+    def close(self) -> None:
+        if not getattr(self, "alive", True) and not any(p.is_alive() for p in self._procs):
+            return
+        self.alive = False
+        for q in self._tasks:
+            try:
+                q.put_nowait(None)
+            except Exception:  # a broken queue: the process is terminated below anyway
+                pass
+        deadline = time.monotonic() + 3.0
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
+
+    def __enter__(self) -> LocalWorld:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,58 @@
+"""Schedule registry: one algorithm per file, looked up by name.
+
+``get(name)`` returns the schedule object; ``available()`` says what each supports.
+"""
+
+from __future__ import annotations
+
+from ..masks import causal, full
+from .allgather import AllGatherSchedule
+from .base import Schedule
+from .ring import RingSchedule
+from .stripe_ring import StripeRingSchedule
+from .zigzag_ring import ZigzagRingSchedule
+
+_REGISTRY: dict[str, Schedule] = {}
+
+
+def register(schedule: Schedule) -> Schedule:
+    if schedule.name in _REGISTRY:
+        raise ValueError(f"schedule {schedule.name!r} is already registered")
+    _REGISTRY[schedule.name] = schedule
+    return schedule
+
+
+for _cls in (RingSchedule, ZigzagRingSchedule, StripeRingSchedule, AllGatherSchedule):
+    register(_cls())
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Schedule:
+    if name not in _REGISTRY:
+        raise ValueError(f"schedule={name!r} is unknown; accepted: {', '.join(_REGISTRY)} or 'auto'")
+    return _REGISTRY[name]
+
+
+def available() -> list[dict]:
+    """One row per schedule: name, layout, masks, causal, bidirectional, gqa, memory, summary."""
+    rows = []
+    causal_layout, full_layout = (lambda s: s.layout_for(causal())), (lambda s: s.layout_for(full()))
+    for s in _REGISTRY.values():
+        same = causal_layout(s) == full_layout(s)
+        rows.append({
+            "name": s.name,
+            "layout": s.layout if same else f"{causal_layout(s)} (causal) / {full_layout(s)}",
+            "masks": "any" if s.masks == "any" else ", ".join(s.masks),
+            "causal": s.causal,
+            "bidirectional": s.bidirectional,
+            "gqa": True,
+            "memory": s.memory,
+            "summary": s.summary,
+        })
+    return rows
+
+
+__all__ = ["Schedule", "available", "get", "names", "register"]

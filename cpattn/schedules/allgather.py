@@ -1,0 +1,70 @@
+"""All-gather KV (Llama3 style): every rank gathers the whole key/value sequence once.
+
+Forward: an async all-gather of the packed kv is in flight while each rank attends its queries to its
+own kv; then it attends to every other rank's kv under the mask and merges pairwise.
+Backward: all-gather kv again (so the forward keeps only local tensors), overlapped with the local
+diagonal backward; per-source float32 dk/dv go into one zeroed buffer, and one reduce-scatter returns
+each rank its own. Layout: zigzag for causal masks (balanced), contiguous otherwise.
+
+Per rank: forward one all-gather ((P-1) packed kv); backward one all-gather plus one reduce-scatter of
+(P-1) float32 dk/dv.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import acc_dtype
+from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
+
+
+class AllGatherSchedule(Schedule):
+    name = "allgather"
+    layout = "contiguous"  # "zigzag" when the mask is causal: see layout_for
+    masks = "any"
+    memory = "O(global kv)"
+    summary = "all-gather kv, reduce-scatter dk/dv"
+
+    def layout_for(self, mask) -> str:
+        return "zigzag" if mask.is_causal else "contiguous"
+
+    def _gather(self, rt: Runtime, kv: torch.Tensor):
+        gathered = rt.comm.new_buffer((rt.world, *kv.shape), kv.dtype, kv.device)
+        return gathered, rt.comm.all_gather(gathered, kv, async_op=True)
+
+    def forward(self, rt: Runtime, q, k, v):
+        p, r = rt.world, rt.rank
+        out_acc, lse_acc = new_accumulators(q)
+        kv = torch.stack([k, v])
+        gathered, handle = self._gather(rt, kv)
+        attend(rt, q, k, v, rt.blocks(r, [r]), out_acc, lse_acc)
+        handle.wait()
+        for j in range(p):
+            if j != r:
+                attend(rt, q, gathered[j, 0], gathered[j, 1], rt.blocks(r, [j]), out_acc, lse_acc)
+        return out_acc.to(q.dtype), lse_acc
+
+    def backward(self, rt: Runtime, dout, q, k, v, out, lse):
+        p, r = rt.world, rt.rank
+        acc = acc_dtype(q.dtype)
+        kv = torch.stack([k, v])
+        gathered, handle = self._gather(rt, kv)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv_all = torch.zeros((p, *kv.shape), dtype=acc, device=q.device)
+        attend_backward(rt, dout, q, k, v, out, lse, rt.blocks(r, [r]), dq, dkv_all[r, 0], dkv_all[r, 1])
+        handle.wait()
+        for j in range(p):
+            if j != r:
+                attend_backward(rt, dout, q, gathered[j, 0], gathered[j, 1], out, lse, rt.blocks(r, [j]),
+                                dq, dkv_all[j, 0], dkv_all[j, 1])
+        dkv = rt.comm.new_buffer(kv.shape, acc, q.device)
+        rt.comm.reduce_scatter(dkv, dkv_all)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+    def volume(self, shape: Shape, rank: int) -> Volume:
+        p = shape.world
+        kv, dkv = (p - 1) * shape.kv_bytes, (p - 1) * shape.dkv_bytes
+        return {
+            "forward": {"all_gather": op_volume(1, kv, kv)},
+            "backward": {"all_gather": op_volume(1, kv, kv), "reduce_scatter": op_volume(1, dkv, dkv)},
+        }

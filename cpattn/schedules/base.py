@@ -1,0 +1,188 @@
+"""What every schedule shares: the runtime it runs in, its declared properties, the autograd glue.
+
+A schedule is one algorithm (one file in this package). It declares its layout, which masks it
+accepts, its memory class and its analytic communication volume, and implements ``forward`` and
+``backward`` from the kernels, the merge and the communicator. Nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import blocks as blocks_mod
+from .. import kernels
+from ..comm import Communicator
+from ..kernels import acc_dtype
+from ..layout import Layout
+from ..masks import BlockKind, Mask
+from ..merge import merge_into
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Per-rank problem size, for analytic volumes. ``elem`` = bytes per element of q/k/v."""
+
+    batch: int
+    local_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    elem: int
+    acc_elem: int  # bytes per element of float32 (or float64) accumulators
+    world: int
+
+    @property
+    def kv_bytes(self) -> int:
+        """k and v of one rank, packed, in the input dtype."""
+        return 2 * self.batch * self.local_len * self.kv_heads * self.head_dim * self.elem
+
+    @property
+    def dkv_bytes(self) -> int:
+        """dk and dv of one rank, packed, in the accumulation dtype."""
+        return 2 * self.batch * self.local_len * self.kv_heads * self.head_dim * self.acc_elem
+
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor, world: int) -> Shape:
+        b, s, h, d = q.shape
+        return Shape(b, s, h, k.shape[2], d, q.element_size(),
+                     torch.empty((), dtype=acc_dtype(q.dtype)).element_size(), world)
+
+
+Volume = dict[str, dict[str, dict[str, int]]]  # phase -> op -> {"calls", "bytes_sent", "bytes_recv"}
+
+
+def op_volume(calls: int, sent: int, recv: int) -> dict[str, int]:
+    return {"calls": calls, "bytes_sent": sent, "bytes_recv": recv}
+
+
+@dataclass
+class Runtime:
+    """Everything a schedule needs for one call, identical on every rank of the group."""
+
+    comm: Communicator
+    mask: Mask
+    layout: Layout
+    seq_len: int
+    scale: float = 1.0
+    backend: str = "auto"
+    _blocks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world(self) -> int:
+        return self.comm.world_size
+
+    def blocks(self, q_rank: int, kv_ranks: list[int]) -> list[blocks_mod.Block]:
+        """Cached block list of ``q_rank``'s queries against ``kv_ranks``' keys (in that order)."""
+        key = (q_rank, tuple(kv_ranks))
+        if key not in self._blocks:
+            self._blocks[key] = blocks_mod.for_ranks(self.mask, self.layout, self.seq_len, self.world,
+                                                     q_rank, list(kv_ranks))
+        return self._blocks[key]
+
+
+class Schedule:
+    """Base class. Subclasses set the class attributes and implement forward/backward/volume."""
+
+    name: str = ""
+    layout: str = "contiguous"
+    #: "any" or a tuple of mask names this schedule accepts
+    masks: str | tuple[str, ...] = "any"
+    causal: bool = True  # accepts masks with is_causal
+    bidirectional: bool = True  # accepts masks without is_causal
+    memory: str = "O(local)"
+    summary: str = ""
+
+    def layout_for(self, mask: Mask) -> str:
+        """The layout this schedule uses for ``mask`` (most schedules have one)."""
+        return self.layout
+
+    def check_mask(self, mask: Mask) -> None:
+        """Raise before any communication if this schedule cannot run ``mask`` exactly."""
+        if self.masks != "any" and mask.name not in self.masks:
+            raise NotImplementedError(
+                f"schedule {self.name!r} supports masks {', '.join(self.masks)}, not {mask.name!r}")
+        if mask.is_causal and not self.causal:
+            raise ValueError(f"schedule {self.name!r} is bidirectional-only and cannot run the causal mask "
+                             f"{mask.name!r}; pick a causal schedule (see cpattn.schedules.available())")
+        if not mask.is_causal and not self.bidirectional:
+            raise ValueError(f"schedule {self.name!r} is causal-only and cannot run the mask {mask.name!r}; "
+                             "pick a bidirectional schedule (see cpattn.schedules.available())")
+
+    def check_shape(self, q: torch.Tensor, k: torch.Tensor, world: int) -> None:
+        """Schedule-specific shape requirements (e.g. heads divisible by the world). Default: none."""
+
+    def forward(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``."""
+        raise NotImplementedError
+
+    def backward(self, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients ``dq, dk, dv`` in the input dtype."""
+        raise NotImplementedError
+
+    def volume(self, shape: Shape, rank: int) -> Volume:
+        """Analytic bytes and calls per op on ``rank``, per phase ("forward", "backward")."""
+        raise NotImplementedError
+
+
+def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero output and -inf lse accumulators for local queries ``q [b, s, h, d]``."""
+    b, s, h, d = q.shape
+    acc = acc_dtype(q.dtype)
+    return (torch.zeros(b, s, h, d, dtype=acc, device=q.device),
+            torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device))
+
+
+def attend(rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[blocks_mod.Block],
+           out_acc: torch.Tensor, lse_acc: torch.Tensor) -> None:
+    """Run the forward kernel on each block and merge it into the accumulators (in place)."""
+    for blk in blocks:
+        o, lse = kernels.forward(q[:, blk.q], k[:, blk.kv], v[:, blk.kv], blk.kind, rt.scale, blk.mask,
+                                 rt.backend)
+        merge_into(out_acc[:, blk.q], lse_acc[:, :, blk.q], o, lse)
+
+
+def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, blocks: list[blocks_mod.Block],
+                    dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
+    """Run the backward kernel on each block and add its gradients into the accumulators."""
+    for blk in blocks:
+        dq, dk, dv = kernels.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.kv], v[:, blk.kv], out[:, blk.q],
+                                      lse[:, :, blk.q], blk.kind, rt.scale, blk.mask, rt.backend)
+        dq_acc[:, blk.q] += dq
+        dk_acc[:, blk.kv] += dk
+        dv_acc[:, blk.kv] += dv
+
+
+def block_area(blocks: list[blocks_mod.Block]) -> int:
+    return sum(b.area for b in blocks)
+
+
+class Attention(torch.autograd.Function):
+    """Autograd glue: ``forward`` runs the schedule's forward, ``backward`` its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, schedule: Schedule, rt: Runtime):  # noqa: D401
+        out, lse = schedule.forward(rt, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.schedule, ctx.rt = schedule, rt
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.schedule.backward(ctx.rt, dout.contiguous(), q, k, v, out, lse)
+        return dq, dk, dv, None, None
+
+
+__all__ = ["Attention", "BlockKind", "Runtime", "Schedule", "Shape", "Volume", "attend", "attend_backward",
+           "block_area",
+           "new_accumulators", "op_volume"]
