@@ -60,7 +60,7 @@ class ContextParallel:
         self.layout.check(seq_len, self.comm.world_size)
         self.seq_len = seq_len
         self.backend = backend
-        self._runtime = Runtime(self.comm, self.mask, self.layout, seq_len, backend=backend)
+        self._runtime = Runtime(self.comm, self.mask, self.layout, seq_len, backend=backend, topology=topology)
 
     # ------------------------------------------------------------------ properties
     @property

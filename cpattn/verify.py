@@ -40,10 +40,13 @@ class Case:
     seed: int = 0
     group: tuple[int, ...] | None = None  # global ranks of a subgroup to run on; None = the whole world
     backend: str = "auto"
+    topology: tuple[int, int] | None = None  # (nodes, devices_per_node) passed to ContextParallel
 
     @property
     def label(self) -> str:
         where = f"P={self.world}" if self.group is None else f"group{list(self.group)}/P={self.world}"
+        if self.topology is not None:
+            where += f" topo={self.topology[0]}x{self.topology[1]}"
         return (f"{self.schedule} {where} {self.mask} {self.dtype} h={self.heads}:{self.kv_heads} "
                 f"S={self.seq} seed={self.seed}")
 
@@ -120,6 +123,7 @@ def rank_case(**fields) -> dict:
     import torch.distributed as dist
 
     from .api import ContextParallel
+    from .cost import Topology
     from .schedules.base import Shape
 
     case = Case(**fields)
@@ -129,7 +133,8 @@ def rank_case(**fields) -> dict:
         if dist.get_rank() not in case.group:
             return {"member": False}
     x = make_inputs(case)
-    cp = ContextParallel(case.seq, case.mask, case.schedule, group=group, backend=case.backend)
+    topology = Topology(*case.topology) if case.topology is not None else None
+    cp = ContextParallel(case.seq, case.mask, case.schedule, group=group, backend=case.backend, topology=topology)
     q, k, v = (cp.shard(x[n]).requires_grad_() for n in ("q", "k", "v"))
     cp.reset_comm_stats()
     out, lse = cp.attention(q, k, v, return_lse=True)

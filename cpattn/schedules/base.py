@@ -14,6 +14,7 @@ import torch
 from .. import blocks as blocks_mod
 from .. import kernels
 from ..comm import Communicator
+from ..cost.topology import Topology
 from ..kernels import acc_dtype
 from ..layout import Layout
 from ..masks import BlockKind, Mask
@@ -67,6 +68,7 @@ class Runtime:
     seq_len: int
     scale: float = 1.0
     backend: str = "auto"
+    topology: Topology | None = None  # nodes x devices per node, when the schedule should use it
     _blocks: dict = field(default_factory=dict, repr=False)
 
     @property

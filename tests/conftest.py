@@ -1,0 +1,33 @@
+"""Persistent gloo worker worlds shared by the whole test session (testing.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpattn.comm import POISON_ENV
+from cpattn.launcher import LocalWorld
+
+
+class Worlds:
+    """``worlds.get(n)`` returns a live n-rank world, starting (or restarting after a failure) it."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[int, LocalWorld] = {}
+
+    def get(self, size: int) -> LocalWorld:
+        w = self._worlds.get(size)
+        if w is None or not w.alive:
+            w = LocalWorld(size, threads=1, env={POISON_ENV: "1"})
+            self._worlds[size] = w
+        return w
+
+    def close(self) -> None:
+        for w in self._worlds.values():
+            w.close()
+
+
+@pytest.fixture(scope="session")
+def worlds():
+    ws = Worlds()
+    yield ws
+    ws.close()
