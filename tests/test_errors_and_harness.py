@@ -1,0 +1,80 @@
+"""Bad input fails fast and identically on every rank; the harness never blocks on a hang or crash."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import worker_fns
+
+from cpattn.launcher import LocalWorld, RankError, WorldError
+
+
+@pytest.mark.parametrize("problem", sorted(worker_fns.BAD_INPUTS))
+def test_bad_input_raises_before_communication_on_every_rank(worlds, problem):
+    results = worlds.get(3).run(worker_fns.bad_input, timeout=60, problem=problem)
+    assert all(not isinstance(r, RankError) for r in results), results
+    assert {r["type"] for r in results} <= {"ValueError", "TypeError", "NotImplementedError"}
+    assert len({(r["type"], r["message"]) for r in results}) == 1, "ranks disagree"
+    assert worker_fns.BAD_INPUTS[problem] in results[0]["message"]
+    assert all(r["calls"] == 0 for r in results)
+
+
+def test_bidirectional_only_rejection_is_clear():
+    import cpattn
+    from cpattn.schedules.base import Schedule
+
+    class BidirOnly(Schedule):
+        name = "bidir"
+        causal = False
+
+    with pytest.raises(ValueError, match="bidirectional-only"):
+        BidirOnly().check_mask(cpattn.masks.causal())
+
+
+def test_world_survives_an_exception(worlds):
+    w = worlds.get(2)
+    results = w.run(worker_fns.raise_on, timeout=30, rank=1)
+    assert results[0] == 0 and isinstance(results[1], RankError) and results[1].type == "KeyError"
+    assert w.run(worker_fns.raise_on, timeout=30, rank=5) == [0, 1]
+
+
+def test_a_hung_case_times_out_with_its_name():
+    with LocalWorld(2) as w:
+        t0 = time.monotonic()
+        with pytest.raises(WorldError, match="case 'sleepy'.*timed out"):
+            w.run(worker_fns.sleep_on, timeout=2, name="sleepy", rank=1, seconds=60)
+        assert time.monotonic() - t0 < 15
+        assert not w.alive
+
+
+def test_a_crashed_worker_is_reported():
+    with LocalWorld(2) as w:
+        with pytest.raises(WorldError, match="rank 0 exited with code 3"):
+            w.run(worker_fns.exit_on, timeout=30, rank=0)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "zigzag_ring", "stripe_ring", "allgather"])
+def test_shard_unshard_positions_and_functional(worlds, schedule):
+    results = worlds.get(2).run(worker_fns.api_roundtrip, timeout=60, schedule=schedule)
+    for r in results:
+        assert not isinstance(r, RankError), r
+        assert r["roundtrip"] and r["shard_matches"] and r["functional_matches"]
+        assert r["lse_shape"] == (2, 4, 8) and r["third"] is None
+        assert r["attention_counted"] and r["unshard_not_counted"]
+    assert sorted(results[0]["positions"] + results[1]["positions"]) == list(range(16))
+
+
+def test_world_size_one_without_torch_distributed():
+    import torch
+
+    import cpattn
+
+    torch.manual_seed(0)
+    cp = cpattn.ContextParallel(32, "causal", "zigzag_ring")
+    q = torch.randn(1, 32, 2, 8, requires_grad=True)
+    out = cp.attention(q, q, q)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(q.transpose(1, 2),) * 3, is_causal=True)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
+    assert cp.schedule_name == "zigzag_ring"
+    assert cpattn.ContextParallel(32, "full").schedule_name == "ring"

@@ -1,0 +1,118 @@
+"""Functions the tests run on worker processes (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import cpattn
+
+
+def sleep_on(rank: int, seconds: float) -> int:
+    if dist.get_rank() == rank:
+        time.sleep(seconds)
+    return dist.get_rank()
+
+
+def exit_on(rank: int) -> int:
+    if dist.get_rank() == rank:
+        os._exit(3)
+    return dist.get_rank()
+
+
+def raise_on(rank: int) -> int:
+    if dist.get_rank() == rank:
+        raise KeyError("boom")
+    return dist.get_rank()
+
+
+BAD_INPUTS = {
+    "seq_not_divisible": "seq_len",
+    "heads_not_divisible": "multiple of key/value heads",
+    "dtype_mismatch": "dtypes differ",
+    "shape_mismatch": "k and v shapes differ",
+    "batch_mismatch": "batch differs",
+    "head_dim_mismatch": "head_dim differs",
+    "wrong_local_len": "local tokens",
+    "not_4d": "batch, seq, heads, head_dim",
+    "bad_scale": "softmax_scale",
+    "bad_dtype": "not supported",
+    "unknown_schedule": "unknown",
+    "unknown_mask": "accepted",
+    "dropout": "dropout",
+    "window": "window_size",
+}
+
+
+def bad_input(problem: str, schedule: str = "ring") -> dict:
+    """Build a bad call on every rank; report the error and how much was communicated before it."""
+    p = dist.get_world_size()
+    seq = 8 * p
+    kwargs = {"seq_len": seq, "mask": "causal", "schedule": schedule}
+    if problem == "seq_not_divisible":
+        kwargs["seq_len"] = 8 * p + 1
+    if problem == "unknown_schedule":
+        kwargs["schedule"] = "tree"
+    if problem == "unknown_mask":
+        kwargs["mask"] = "diagonal"
+    s = seq // p
+    q = torch.randn(2, s, 4, 16)
+    k = torch.randn(2, s, 2, 16)
+    v = torch.randn(2, s, 2, 16)
+    scale = None
+    if problem == "heads_not_divisible":
+        k, v = torch.randn(2, s, 3, 16), torch.randn(2, s, 3, 16)
+    elif problem == "dtype_mismatch":
+        k = k.to(torch.bfloat16)
+    elif problem == "shape_mismatch":
+        v = torch.randn(2, s, 2, 8)
+    elif problem == "batch_mismatch":
+        q = torch.randn(3, s, 4, 16)
+    elif problem == "head_dim_mismatch":
+        q = torch.randn(2, s, 4, 8)
+    elif problem == "wrong_local_len":
+        q = torch.randn(2, s + 1, 4, 16)
+    elif problem == "not_4d":
+        q = torch.randn(2, s, 64)
+    elif problem == "bad_scale":
+        scale = -1.0
+    elif problem == "bad_dtype":
+        q, k, v = q.to(torch.int32), k.to(torch.int32), v.to(torch.int32)
+    cp = None
+    try:
+        if problem == "dropout":
+            cpattn.ring_attn_func(q, k, v, dropout_p=0.1)
+        elif problem == "window":
+            cpattn.ring_attn_func(q, k, v, window_size=(4, 0))
+        else:
+            cp = cpattn.ContextParallel(**kwargs)
+            cp.attention(q, k, v, softmax_scale=scale)
+    except Exception as exc:  # the point: report what was raised
+        calls = cp.comm_stats()["total"]["calls"] if cp is not None else 0
+        return {"type": type(exc).__name__, "message": str(exc), "calls": calls}
+    return {"type": None, "message": "", "calls": cp.comm_stats()["total"]["calls"] if cp else 0}
+
+
+def api_roundtrip(schedule: str) -> dict:
+    """shard/unshard/positions round-trip and the functional entry point on this rank."""
+    p, r = dist.get_world_size(), dist.get_rank()
+    seq = 8 * p
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, seq, 4, 16, generator=g)
+    cp = cpattn.ContextParallel(seq, "causal", schedule)
+    local = cp.shard(x)
+    pos = cp.positions()
+    q = cp.shard(torch.randn(2, seq, 4, 16, generator=g))
+    kv = cp.shard(torch.randn(2, seq, 2, 16, generator=g))
+    out_cp = cp.attention(q, kv, kv)
+    before = cp.comm_stats()["total"]
+    full = cp.unshard(local)
+    func = getattr(cpattn, f"{schedule}_attn_func")
+    out_f, lse_f, none = func(q, kv, kv, causal=True, return_attn_probs=True)
+    return {"rank": r, "roundtrip": torch.equal(full, x), "positions": pos.tolist(),
+            "shard_matches": torch.equal(local, x[:, pos]), "functional_matches": torch.equal(out_cp, out_f),
+            "lse_shape": tuple(lse_f.shape), "third": none, "unshard_not_counted": cp.comm_stats()["total"] == before,
+            "attention_counted": before["calls"] > 0}
