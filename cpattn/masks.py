@@ -143,6 +143,23 @@ class MaskModMask(Mask):
         return f"MaskModMask(name={self.name!r})"
 
 
+def allowed_pairs(mask: Mask, seq_len: int, chunk: int = 1024) -> int:
+    """Number of (query, key) pairs that attend, summed rectangle by rectangle (no S x S tensor)."""
+    total = 0
+    for q0 in range(0, seq_len, chunk):
+        q1 = min(seq_len, q0 + chunk)
+        for k0 in range(0, seq_len, chunk):
+            k1 = min(seq_len, k0 + chunk)
+            kind = mask.classify(q0, q1, k0, k1)
+            if kind == BlockKind.FULL:
+                total += (q1 - q0) * (k1 - k0)
+            elif kind == BlockKind.CAUSAL:
+                total += (q1 - q0) * (q1 - q0 + 1) // 2
+            elif kind == BlockKind.PARTIAL:
+                total += int(mask.dense(q0, q1, k0, k1).sum())
+    return total
+
+
 def full() -> Mask:
     """Bidirectional attention: every query attends every key."""
     return FullMask()

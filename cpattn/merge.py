@@ -27,7 +27,8 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     lse.copy_(new_lse)
 
 
-def distributed_merge(out: torch.Tensor, lse: torch.Tensor, owner: int, comm) -> tuple[torch.Tensor, torch.Tensor] | None:
+def distributed_merge(out: torch.Tensor, lse: torch.Tensor, owner: int,
+                      comm) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Merge partials of one query block that live on every rank of ``comm`` onto ``owner``.
 
     ``M = all_reduce_max(lse)``, ``den = exp(lse - M)``, ``num = out * den``; num and den are

@@ -78,3 +78,12 @@ def test_world_size_one_without_torch_distributed():
     assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
     assert cp.schedule_name == "zigzag_ring"
     assert cpattn.ContextParallel(32, "full").schedule_name == "ring"
+
+
+@pytest.mark.parametrize("owner", [0, 2])
+def test_distributed_merge_is_exact(worlds, owner):
+    results = worlds.get(3).run(worker_fns.distributed_merge_check, timeout=60, owner=owner)
+    owners = [r for r in results if r["owner"]]
+    assert [r["rank"] for r in owners] == [owner]
+    r = owners[0]
+    assert not r["nan"] and r["lse_ok"] and r["out_err"] < 1e-12 and r["lse_err"] < 1e-12

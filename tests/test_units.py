@@ -152,15 +152,15 @@ def test_kernels_forward_backward_float64(backend, kind):
     ref_o, ref_l = _ref(q, k, v, allowed, 0.3)
     dout = torch.randn_like(ref_o)
     ref_o.backward(dout)
-    o, l = kernels.forward(q.detach(), k.detach(), v.detach(), kind, 0.3, mask, backend)
-    assert torch.allclose(o, ref_o.detach(), atol=1e-10) and torch.equal(l.isinf(), ref_l.isinf())
-    assert torch.allclose(l[~l.isinf()], ref_l.detach()[~l.isinf()], atol=1e-10)
-    dq, dk, dv = kernels.backward(dout, q.detach(), k.detach(), v.detach(), o, l, kind, 0.3, mask, backend)
+    o, lse = kernels.forward(q.detach(), k.detach(), v.detach(), kind, 0.3, mask, backend)
+    assert torch.allclose(o, ref_o.detach(), atol=1e-10) and torch.equal(lse.isinf(), ref_l.isinf())
+    assert torch.allclose(lse[~lse.isinf()], ref_l.detach()[~lse.isinf()], atol=1e-10)
+    dq, dk, dv = kernels.backward(dout, q.detach(), k.detach(), v.detach(), o, lse, kind, 0.3, mask, backend)
     for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         assert not got.isnan().any()
         assert torch.allclose(got, want, atol=1e-10)
     if kind == BlockKind.PARTIAL:
-        assert bool((o[:, 3] == 0).all()) and bool(torch.isneginf(l[:, :, 3]).all())
+        assert bool((o[:, 3] == 0).all()) and bool(torch.isneginf(lse[:, :, 3]).all())
         assert bool((dq[:, 3] == 0).all())
 
 
@@ -182,5 +182,5 @@ def test_kernels_reject_bad_blocks():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernels_low_precision_returns_float32(dtype):
     q = torch.randn(1, 8, 2, 16).to(dtype)
-    o, l = kernels.forward(q, q, q, BlockKind.CAUSAL, 0.25)
-    assert o.dtype == torch.float32 and l.dtype == torch.float32 and l.shape == (1, 2, 8)
+    o, lse = kernels.forward(q, q, q, BlockKind.CAUSAL, 0.25)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32 and lse.shape == (1, 2, 8)

@@ -116,3 +116,35 @@ def api_roundtrip(schedule: str) -> dict:
             "shard_matches": torch.equal(local, x[:, pos]), "functional_matches": torch.equal(out_cp, out_f),
             "lse_shape": tuple(lse_f.shape), "third": none, "unshard_not_counted": cp.comm_stats()["total"] == before,
             "attention_counted": before["calls"] > 0}
+
+
+def distributed_merge_check(owner: int) -> dict:
+    """Keys split over the ranks; each rank attends to its share; merge onto ``owner``. Rank 1 (if
+    any) sees no key at all for the first query rows (lse -inf) to exercise the empty case."""
+    from cpattn.comm import Communicator
+    from cpattn.merge import distributed_merge
+
+    comm = Communicator()
+    p, r = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 5, 2, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 4 * p, 2, 4, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 4 * p, 2, 4, generator=g, dtype=torch.float64)
+    allowed = torch.ones(5, 4 * p, dtype=torch.bool)
+    allowed[0] = False  # a row nobody covers: must end as out 0, lse -inf
+    allowed[1, 4:] = False  # a row only rank 0 covers
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k).masked_fill(~allowed, float("-inf"))
+    full_lse = torch.logsumexp(s, -1)
+    full_out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1).nan_to_num(0.0), v)
+    mine = s[..., 4 * r:4 * (r + 1)]
+    lse = torch.logsumexp(mine, -1)
+    probs = torch.exp(mine - torch.where(lse.isinf(), 0.0, lse)[..., None])
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v[:, 4 * r:4 * (r + 1)])
+    res = distributed_merge(out, lse, owner, comm)
+    if res is None:
+        return {"rank": r, "owner": False}
+    o, lse_m = res
+    return {"rank": r, "owner": True, "out_err": float((o - full_out).abs().max()),
+            "lse_ok": bool(torch.equal(lse_m.isinf(), full_lse.isinf())),
+            "lse_err": float((lse_m[~lse_m.isinf()] - full_lse[~full_lse.isinf()]).abs().max()),
+            "nan": bool(o.isnan().any() or lse_m.isnan().any())}

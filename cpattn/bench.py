@@ -1,0 +1,287 @@
+"""``cpattn bench``: time every schedule on N local processes against one process (bench.md).
+
+One process runs the same attention on the whole sequence with all the cores the N ranks share; each
+schedule runs on an N-rank gloo world with cores / N threads per rank. Each configuration is checked
+once against the one-process result before it is timed; a wrong schedule is reported, not timed.
+Times are the median over iterations of the slowest rank's time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from . import masks
+from .layout import Layout
+from .verify import DTYPES
+
+#: relative error against the one-process result above which a schedule is reported wrong
+CHECK_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2, "float16": 1e-2}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    world: int = 2
+    seq: int = 4096
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    mask: str = "causal"
+    dtype: str = "float32"
+    warmup: int = 1
+    iters: int = 3
+    threads: int = 0  # per rank; 0 = cores // world (at least 1)
+    seed: int = 0
+
+    def threads_per_rank(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // self.world)
+
+
+@dataclass
+class BenchRow:
+    schedule: str
+    ok: bool = True
+    error: float = 0.0  # max relative error of out, dq, dk, dv vs one process
+    note: str = ""
+    fwd_s: float = float("nan")
+    fwd_bwd_s: float = float("nan")
+    tflops_per_rank: float = float("nan")  # forward + backward
+    speedup: float = float("nan")  # T(one process) / T(schedule), forward + backward
+    fwd_speedup: float = float("nan")
+    bytes_sent: int = 0  # busiest rank, one forward + backward
+    bytes_recv: int = 0
+    peak_mem_bytes: int = 0  # busiest rank, growth during forward + backward
+    extra: dict = field(default_factory=dict)
+
+
+class _PeakRSS:
+    """Resident-set growth during a region, sampled every few ms in a background thread (CPU), or
+    torch.cuda.max_memory_allocated on GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return self
+        import psutil
+
+        self._proc = psutil.Process()
+        self.base = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._max = self.base
+
+        def sample() -> None:
+            while not self._stop.is_set():
+                self._max = max(self._max, self._proc.memory_info().rss)
+                self._stop.wait(0.002)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+            return
+        self._stop.set()
+        self._thread.join()
+        self._max = max(self._max, self._proc.memory_info().rss)
+        self.peak = self._max - self.base
+
+
+def _inputs(cfg: BenchConfig, device) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg.seed)
+    b, s, h, hkv, d = cfg.batch, cfg.seq, cfg.heads, cfg.kv_heads, cfg.head_dim
+    dt = DTYPES[cfg.dtype]
+    shapes = {"q": (b, s, h, d), "k": (b, s, hkv, d), "v": (b, s, hkv, d), "dout": (b, s, h, d)}
+    return {n: torch.randn(*shp, generator=g).to(dt).to(device) for n, shp in shapes.items()}
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rank_bench(schedule: str, cfg: dict) -> dict:
+    """Runs on every rank: one checked call, then warm-up and timed iterations."""
+    from .api import ContextParallel
+
+    c = BenchConfig(**cfg)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    x = _inputs(c, device)
+    cp = ContextParallel(c.seq, c.mask, schedule)
+    q, k, v, dout = (cp.shard(x[n]) for n in ("q", "k", "v", "dout"))
+    del x
+
+    def step(backward: bool):
+        qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
+        out = cp.attention(qq, kk, vv)
+        if backward:
+            out.backward(dout)
+        _sync(device)
+        return out, qq, kk, vv
+
+    # correctness: the local pieces go back to the parent, which compares with one process
+    out, qq, kk, vv = step(True)
+    check = {n: t.detach().float().cpu().numpy() for n, t in
+             (("out", out), ("dq", qq.grad), ("dk", kk.grad), ("dv", vv.grad))}
+    times: dict[str, list[float]] = {"fwd": [], "fwd_bwd": []}
+    cp.reset_comm_stats()
+    with _PeakRSS(device) as mem:
+        step(True)
+    traffic = cp.comm_stats()["total"]
+    for phase, backward in (("fwd", False), ("fwd_bwd", True)):
+        for it in range(c.warmup + c.iters):
+            cp.comm.barrier()
+            t0 = time.perf_counter()
+            step(backward)
+            if it >= c.warmup:
+                times[phase].append(time.perf_counter() - t0)
+    return {"rank": cp.rank, "positions": cp.positions().numpy(), "check": check, "times": times,
+            "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"], "peak": mem.peak}
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    den = float(np.linalg.norm(b)) or 1.0
+    err = float(np.linalg.norm(a - b)) / den
+    return err if np.isfinite(err) else float("inf")
+
+
+def _assemble(per_rank: list[dict], name: str) -> np.ndarray:
+    first = per_rank[0]["check"][name]
+    full = np.full((first.shape[0], sum(len(r["positions"]) for r in per_rank), *first.shape[2:]), np.nan,
+                   dtype=np.float32)
+    for r in per_rank:
+        full[:, r["positions"]] = r["check"][name]
+    return full
+
+
+def _slowest_median(per_rank: list[dict], phase: str) -> float:
+    per_iter = zip(*(r["times"][phase] for r in per_rank))
+    return statistics.median(max(ts) for ts in per_iter)
+
+
+def flops(cfg: BenchConfig) -> tuple[float, float]:
+    """Attention FLOPs (forward, forward + backward) from the mask's allowed area (bench.md)."""
+    pairs = masks.allowed_pairs(masks.resolve(cfg.mask), cfg.seq)
+    fwd = 4.0 * cfg.batch * cfg.heads * cfg.head_dim * pairs
+    return fwd, fwd * 3.5
+
+
+def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: float = 1800.0) -> dict:
+    """Benchmark ``schedule_names``; returns ``{"config", "baseline", "rows", "environment"}``."""
+    from . import schedules
+    from .launcher import LocalWorld, RankError
+
+    mask = masks.resolve(cfg.mask)
+    for name in schedule_names:
+        sched = schedules.get(name)
+        sched.check_mask(mask)
+        Layout(sched.layout_for(mask)).check(cfg.seq, cfg.world)
+    say = progress or (lambda msg: None)
+    tpr = cfg.threads_per_rank()
+    fwd_flops, total_flops = flops(cfg)
+
+    def fail(res: list) -> str | None:
+        errs = [r for r in res if isinstance(r, RankError)]
+        return f"{errs[0]}" if errs else None
+
+    say(f"one process, {tpr * cfg.world} threads, S={cfg.seq}")
+    with LocalWorld(1, threads=tpr * cfg.world) as w:
+        base = w.run(rank_bench, timeout=timeout, name="one process", schedule="ring", cfg=asdict(cfg))
+    if fail(base):
+        raise RuntimeError(f"the one-process baseline failed: {fail(base)}")
+    base_fb, base_f = _slowest_median(base, "fwd_bwd"), _slowest_median(base, "fwd")
+    ref = {n: _assemble(base, n) for n in ("out", "dq", "dk", "dv")}
+    rows = []
+    with LocalWorld(cfg.world, threads=tpr) as w:
+        for name in schedule_names:
+            say(f"{name} on {cfg.world} ranks")
+            res = w.run(rank_bench, timeout=timeout, name=name, schedule=name, cfg=asdict(cfg))
+            row = BenchRow(name)
+            if fail(res):
+                row.ok, row.note = False, fail(res)
+                rows.append(row)
+                continue
+            row.error = max(_rel(_assemble(res, n), ref[n]) for n in ref)
+            if not row.error <= CHECK_TOLERANCE[cfg.dtype]:
+                row.ok, row.note = False, f"WRONG: relative error {row.error:.2e} vs one process"
+                rows.append(row)
+                continue
+            row.fwd_s, row.fwd_bwd_s = _slowest_median(res, "fwd"), _slowest_median(res, "fwd_bwd")
+            row.tflops_per_rank = total_flops / row.fwd_bwd_s / cfg.world / 1e12
+            row.speedup, row.fwd_speedup = base_fb / row.fwd_bwd_s, base_f / row.fwd_s
+            row.bytes_sent = max(r["bytes_sent"] for r in res)
+            row.bytes_recv = max(r["bytes_recv"] for r in res)
+            row.peak_mem_bytes = max(r["peak"] for r in res)
+            rows.append(row)
+    baseline = {"fwd_s": base_f, "fwd_bwd_s": base_fb, "peak_mem_bytes": base[0]["peak"],
+                "tflops": total_flops / base_fb / 1e12, "fwd_flops": fwd_flops, "fwd_bwd_flops": total_flops}
+    env = {"cores": os.cpu_count(), "threads_per_rank": tpr, "torch": torch.__version__,
+           "device": "cuda" if torch.cuda.is_available() else "cpu", "backend": "gloo"}
+    return {"config": asdict(cfg), "baseline": baseline, "rows": [asdict(r) for r in rows], "environment": env}
+
+
+def render(result: dict):
+    """A rich table of a :func:`run` result."""
+    from rich.table import Table
+
+    cfg, env, base = result["config"], result["environment"], result["baseline"]
+    title = (f"cpattn bench: P={cfg['world']} S={cfg['seq']} b={cfg['batch']} h={cfg['heads']}:{cfg['kv_heads']} "
+             f"d={cfg['head_dim']} {cfg['mask']} {cfg['dtype']} | {env['cores']} cores, "
+             f"{env['threads_per_rank']} threads/rank, torch {env['torch']}, {env['backend']}")
+    t = Table(title=title, caption=(f"one process ({env['threads_per_rank'] * cfg['world']} threads): "
+                                    f"fwd {base['fwd_s'] * 1e3:.1f} ms, fwd+bwd {base['fwd_bwd_s'] * 1e3:.1f} ms; "
+                                    "times: median over iterations of the slowest rank; "
+                                    "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd"))
+    for col in ("schedule", "fwd ms", "fwd+bwd ms", "TFLOP/s/rank", "vs 1 proc", "sent MB/rank",
+                "recv MB/rank", "peak MB/rank", "max rel err"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    for r in result["rows"]:
+        if not r["ok"]:
+            t.add_row(r["schedule"], "[red]" + r["note"][:80] + "[/red]", *[""] * 7)
+            continue
+        t.add_row(r["schedule"], f"{r['fwd_s'] * 1e3:.1f}", f"{r['fwd_bwd_s'] * 1e3:.1f}",
+                  f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x", f"{r['bytes_sent'] / 1e6:.1f}",
+                  f"{r['bytes_recv'] / 1e6:.1f}", f"{r['peak_mem_bytes'] / 1e6:.1f}", f"{r['error']:.1e}")
+    return t
+
+
+def save_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+def plot(result: dict, path: str) -> None:
+    """PNG bar chart: forward+backward efficiency (one process / schedule) per schedule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["ok"]]
+    cfg = result["config"]
+    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows) + 2), 3.8))
+    ax.bar([r["schedule"] for r in rows], [r["speedup"] for r in rows], color="#4477aa")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_ylabel("T(one process) / T(schedule)")
+    ax.set_title(f"fwd+bwd, P={cfg['world']}, S={cfg['seq']}, {cfg['mask']}, {cfg['dtype']}")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["BenchConfig", "BenchRow", "flops", "plot", "render", "run", "save_json"]
