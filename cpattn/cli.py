@@ -100,13 +100,14 @@ def _cmd_verify(args) -> int:
         for w in worlds.values():
             w.close()
     t = Table(title="cpattn verify: relative error vs float64 (tolerance 2 x single-device error + 1e-6)")
-    for col in ("case", "result", *verify.QUANTITIES, "comm"):
+    for col in ("case", "result", *verify.QUANTITIES, "max err/tol", "comm"):
         t.add_column(col, justify="left" if col in ("case", "result") else "right")
     for r in results:
         cells = [f"{r.errors[q]:.1e}" if q in r.errors else "-" for q in verify.QUANTITIES]
         comm = "[red]differs[/red]" if r.comm_mismatches else ("-" if r.failure else "ok")
         verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
-        t.add_row(r.case.label, verdict, *cells, comm)
+        ratio = max((r.errors[q] / r.tolerances[q] for q in r.errors), default=float("nan"))
+        t.add_row(r.case.label, verdict, *cells, f"{ratio:.2f}", comm)
     console = _stdout()
     console.print(t)
     failed = [r for r in results if not r.passed]
