@@ -78,12 +78,12 @@ def _aten_forward(q, k, v, causal: bool, scale: float):
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qt, kt, vt, 0.0, causal, scale=scale)
-        return out.transpose(1, 2), lse, None
+        return out.transpose(1, 2), lse
     groups = q.shape[2] // k.shape[2]  # the CUDA flash op wants equal heads: repeat locally only
     if groups > 1:
         kt, vt = kt.repeat_interleave(groups, 1), vt.repeat_interleave(groups, 1)
     res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
-    return res[0].transpose(1, 2), res[1], res
+    return res[0].transpose(1, 2), res[1]
 
 
 def _aten_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
@@ -183,7 +183,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, 
     accumulation dtype."""
     _check_block(q, k, kind, mask)
     if _use_aten(q, kind, backend):
-        out, lse, _ = _aten_forward(q, k, v, kind == BlockKind.CAUSAL, scale)
+        out, lse = _aten_forward(q, k, v, kind == BlockKind.CAUSAL, scale)
         acc = acc_dtype(q.dtype)
         return out.to(acc), lse.to(acc)
     return _math_forward(q, k, v, kind, scale, mask)
