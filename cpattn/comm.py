@@ -16,6 +16,12 @@ this rank whatever algorithm the library picks:
 | all_reduce of N bytes | 2 (P-1) N / P | 2 (P-1) N / P |
 | all_to_all of N bytes in per rank | (P-1) N / P | (P-1) N / P |
 
+A hierarchical all_gather / reduce_scatter (:meth:`Communicator.hierarchical_all_gather`) counts as
+*one* call of its op kind with the flat payload, (P-1) n: that is exactly what the rank sends and
+receives over its two levels ((N-1) n across nodes plus (D-1) N n inside the node, for N nodes of D
+devices), so a schedule's volume does not depend on the topology. Each level is also counted in the
+stats of its own sub-communicator (:meth:`Communicator.hierarchy`).
+
 Schedules declare their analytic volume in the same units; tests assert the two agree.
 """
 
@@ -27,6 +33,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from .cost.topology import Topology
 
 OPS = ("send", "recv", "broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -52,6 +60,23 @@ class _Many:
         for w in self.works:
             w.wait()
         self.works = []
+
+
+class _Then:
+    """Handle of a two-level collective: ``wait()`` waits for the first level, then runs ``finish``."""
+
+    def __init__(self, first, finish) -> None:
+        self.first, self.finish = first, finish
+
+    def wait(self) -> None:
+        if self.finish is not None:
+            self.first.wait()
+            self.finish()
+            self.finish = None
+
+
+#: (global ranks of the parent, nodes, devices per node) -> (rail group, node group) of this process
+_HIERARCHY: dict[tuple[tuple[int, ...], int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -80,6 +105,7 @@ class Communicator:
             self.world_size = dist.get_world_size(self.group)
             self._global_ranks = dist.get_process_group_ranks(self.group)
         self._stats: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
+        self._subs: dict[tuple, tuple[Communicator, Communicator]] = {}  # see hierarchy()
 
     # ------------------------------------------------------------------ bookkeeping
     def global_rank(self, group_rank: int) -> int:
@@ -189,6 +215,103 @@ class Communicator:
             out.copy_(t)
             return _Done()
         return self._finish(dist.all_to_all_single(out, t, group=self.group, async_op=True), async_op)
+
+    # ------------------------------------------------------------------ hierarchical collectives
+    def hierarchy(self, topology: Topology | None) -> tuple[Communicator, Communicator] | None:
+        """``(rail, node)`` sub-communicators of this rank for ``topology``, or None when the flat
+        collective is used instead.
+
+        Group rank g sits on node ``g // D`` at local index ``g % D`` (D = devices per node). The *rail*
+        of local index l holds the ranks ``{n * D + l}`` (one per node: their traffic uses all NICs at
+        once); the *node* group holds the D ranks of one node. None when ``topology`` is None, has one
+        node or one device per node, or when this group is a strict subgroup of the default world.
+
+        The sub-groups come from ``torch.distributed.new_group``, which every process of the default
+        world must enter, in the same order. They are built by the first hierarchical collective of
+        this (group, topology) and cached per process; every rank of this group makes that call, so
+        every process of the world does only when this group spans the whole default world. On a
+        strict subgroup the non-members would never enter ``new_group``, so the flat collective is
+        used there instead (same result, same payload per rank).
+        """
+        if topology is None or topology.nodes == 1 or topology.devices_per_node == 1 or self.world_size == 1:
+            return None
+        if topology.world != self.world_size:
+            raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
+                             f"but the group has {self.world_size}")
+        if self.world_size != dist.get_world_size():
+            return None
+        key = (tuple(self._global_ranks), topology.nodes, topology.devices_per_node)
+        if key not in _HIERARCHY:
+            n_nodes, d = topology.nodes, topology.devices_per_node
+            members = [[self._global_ranks[n * d + lo] for n in range(n_nodes)] for lo in range(d)]
+            members += [[self._global_ranks[n * d + lo] for lo in range(d)] for n in range(n_nodes)]
+            groups = [dist.new_group(ranks) for ranks in members]  # every process creates every group
+            rail = groups[topology.local_index(self.rank)]
+            node = groups[d + topology.node_of(self.rank)]
+            _HIERARCHY[key] = (rail, node)
+        rail, node = _HIERARCHY[key]
+        subs = self._subs.get(key)
+        if subs is None:
+            subs = self._subs[key] = (Communicator(rail), Communicator(node))
+        return subs
+
+    def hierarchical_all_gather(self, out: torch.Tensor, t: torch.Tensor, topology: Topology | None,
+                                async_op: bool = False):
+        """:meth:`all_gather` in two levels: across nodes along each rail, then inside the node.
+
+        The rail level gathers ``[N, *t.shape]`` (one piece per node, same local index); the node level
+        gathers those into ``[D, N, *t.shape]``, which is transposed into ``out`` in group-rank order,
+        so ``out`` equals the flat result exactly. With ``async_op`` the rail level is in flight until
+        ``wait()``, which then runs the node level. Flat when :meth:`hierarchy` is None.
+        """
+        levels = self.hierarchy(topology)
+        if levels is None:
+            return self.all_gather(out, t, async_op)
+        rail, node = levels
+        p, n_nodes, d = self.world_size, rail.world_size, node.world_size
+        if out.numel() != p * t.numel():
+            raise ValueError(f"all_gather: out has {out.numel()} elements, expected {p} x {t.numel()}")
+        self._count("all_gather", (p - 1) * _nbytes(t), (p - 1) * _nbytes(t))
+        by_node = self.new_buffer((n_nodes, *t.shape), t.dtype, t.device)
+        first = rail.all_gather(by_node, t.contiguous(), async_op=True)
+
+        def finish() -> None:
+            by_local = self.new_buffer((d, *by_node.shape), t.dtype, t.device)
+            node.all_gather(by_local, by_node)
+            out.view(n_nodes, d, -1).copy_(by_local.view(d, n_nodes, -1).transpose(0, 1))
+
+        return self._then(first, finish, async_op)
+
+    def hierarchical_reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, topology: Topology | None,
+                                    async_op: bool = False):
+        """:meth:`reduce_scatter` in two levels, mirroring :meth:`hierarchical_all_gather`.
+
+        Inside the node first: the input is regrouped by destination local index (``[D, N, m]``) and
+        reduce-scattered, so local index l holds the node's partial sums of the N slices bound for
+        rail l; then across nodes along the rail, which leaves each rank its own slice summed over
+        every rank. Sums are associated differently than in the flat collective (equal up to rounding).
+        Flat when :meth:`hierarchy` is None.
+        """
+        levels = self.hierarchy(topology)
+        if levels is None:
+            return self.reduce_scatter(out, t, async_op)
+        rail, node = levels
+        p, n_nodes, d = self.world_size, rail.world_size, node.world_size
+        if t.numel() != p * out.numel():
+            raise ValueError(f"reduce_scatter: input has {t.numel()} elements, expected {p} x {out.numel()}")
+        self._count("reduce_scatter", (p - 1) * _nbytes(out), (p - 1) * _nbytes(out))
+        by_local = t.reshape(n_nodes, d, -1).transpose(0, 1).contiguous()
+        partial = self.new_buffer((n_nodes, out.numel()), out.dtype, out.device)
+        first = node.reduce_scatter(partial, by_local, async_op=True)
+        return self._then(first, lambda: rail.reduce_scatter(out, partial), async_op)
+
+    @staticmethod
+    def _then(first, finish, async_op: bool):
+        handle = _Then(first, finish)
+        if async_op:
+            return handle
+        handle.wait()
+        return _Done()
 
     def barrier(self) -> None:
         """Not counted: used by benchmarks to align ranks, never by schedules."""

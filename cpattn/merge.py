@@ -27,27 +27,45 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     lse.copy_(new_lse)
 
 
-def distributed_merge(out: torch.Tensor, lse: torch.Tensor, owner: int,
-                      comm) -> tuple[torch.Tensor, torch.Tensor] | None:
+class PendingMerge:
+    """A distributed merge whose reduces are in flight (see :func:`start_distributed_merge`)."""
+
+    def __init__(self, num: torch.Tensor, den: torch.Tensor, m: torch.Tensor, owner: int, comm, handles) -> None:
+        self.num, self.den, self.m, self.owner, self.comm, self.handles = num, den, m, owner, comm, handles
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Finish the reduces; the owner gets ``(out, lse)`` (fresh tensors), other ranks None."""
+        for h in self.handles:
+            h.wait()
+        if self.comm.rank != self.owner:
+            return None
+        num, den, m = self.num, self.den, self.m
+        covered = den > 0
+        final = torch.where(covered, num / torch.where(covered, den, torch.ones_like(den)), torch.zeros_like(num))
+        log_den = torch.log(den.squeeze(-1).transpose(1, 2))  # [b, h, s]; -inf where uncovered
+        safe_m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        return final, log_den + safe_m
+
+
+def start_distributed_merge(out: torch.Tensor, lse: torch.Tensor, owner: int, comm) -> PendingMerge:
     """Merge partials of one query block that live on every rank of ``comm`` onto ``owner``.
 
     ``M = all_reduce_max(lse)``, ``den = exp(lse - M)``, ``num = out * den``; num and den are
-    reduce-summed to ``owner`` (group-relative rank), which returns ``(num / den, log(den) + M)``;
-    other ranks return None. Ranks that skipped the block pass ``lse = -inf`` and ``out = 0``.
+    reduce-summed to ``owner`` (group-relative rank) asynchronously: the returned handle's ``wait()``
+    gives the owner ``(num / den, log(den) + M)`` and other ranks None, so a pipelined schedule can
+    compute its next block while the reduces travel. Ranks that skipped the block pass
+    ``lse = -inf`` and ``out = 0``.
     """
     m = lse.clone()
     comm.all_reduce(m, op="max")
     den = _row_weight(lse, m)  # [b, s, h, 1]; 0 for -inf partials and for rows nobody covered
     num = out * den
     den = den.contiguous()
-    h1 = comm.reduce(num, dst=owner, async_op=True)
-    h2 = comm.reduce(den, dst=owner, async_op=True)
-    h1.wait()
-    h2.wait()
-    if comm.rank != owner:
-        return None
-    covered = den > 0
-    final = torch.where(covered, num / torch.where(covered, den, torch.ones_like(den)), torch.zeros_like(num))
-    log_den = torch.log(den.squeeze(-1).transpose(1, 2))  # [b, h, s]; -inf where uncovered
-    safe_m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    return final, log_den + safe_m
+    handles = (comm.reduce(num, dst=owner, async_op=True), comm.reduce(den, dst=owner, async_op=True))
+    return PendingMerge(num, den, m, owner, comm, handles)
+
+
+def distributed_merge(out: torch.Tensor, lse: torch.Tensor, owner: int,
+                      comm) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`start_distributed_merge` and wait: the owner gets ``(out, lse)``, other ranks None."""
+    return start_distributed_merge(out, lse, owner, comm).wait()

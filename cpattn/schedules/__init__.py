@@ -9,6 +9,10 @@ from ..masks import causal, full
 from .allgather import AllGatherSchedule
 from .base import Schedule
 from .ring import RingSchedule
+from .ringx1 import RingX1, RingX1o
+from .ringx2 import RingX2, RingX2o
+from .ringx3 import RingX3, RingX3b
+from .ringx4 import RingX4, RingX4o
 from .stripe_ring import StripeRingSchedule
 from .zigzag_ring import ZigzagRingSchedule
 
@@ -22,7 +26,8 @@ def register(schedule: Schedule) -> Schedule:
     return schedule
 
 
-for _cls in (RingSchedule, ZigzagRingSchedule, StripeRingSchedule, AllGatherSchedule):
+for _cls in (RingSchedule, ZigzagRingSchedule, StripeRingSchedule, AllGatherSchedule,
+             RingX1, RingX1o, RingX2, RingX2o, RingX3, RingX3b, RingX4, RingX4o):
     register(_cls())
 
 

@@ -1,0 +1,160 @@
+"""RingX X1 and X1o: ring attention's exchange expressed as broadcasts and reduces (bidirectional).
+
+Forward, one step per owner rank i: i broadcasts its queries q_i; every rank attends q_i to its own
+key/value block; the partials are combined onto i by the distributed merge (all-reduce max of lse,
+reduce of the numerator and of the denominator). Each rank is owner once, so after P steps every rank
+holds its exact output. Backward, one step per owner i: i broadcasts its packed kv_i; every rank runs
+the local backward of its own (q, dout, out, lse) against kv_i, adding into its dq (which never
+travels) and into a zeroed float32 dk_i/dv_i, which is reduce-summed onto i.
+
+X1o pipelines the same steps with two buffers: the broadcast of step i+1 is in flight during step i's
+compute, and the reduces of step i are waited for at step i+1, after its compute.
+
+Which pairs attend comes from the mask classifier (``rt.blocks``): for owner i the forward block is
+q_i against kv_r, the backward block q_r against kv_i. Causal masks are rejected (``causal = False``);
+``ringx2`` is the causal form of this exchange.
+
+At world size 1 there is nothing to exchange and the step runs locally. Per rank, for P > 1, with Q
+the local queries (input dtype), O and R the bytes of a float32 output ``[b, s, h, d]`` and of one
+float32 per query row ``[b, h, s]``, KV the packed local kv (input dtype) and dKV the packed float32
+dk/dv: forward P broadcasts (send Q once, receive (P-1) Q), P all-reduces of R (the lse maximum) and
+2P reduces (numerator and denominator: send (P-1) (O + R), receive O + R); backward P broadcasts
+(send KV once, receive (P-1) KV) and P reduces (send (P-1) dKV, receive dKV).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import acc_dtype
+from ..merge import start_distributed_merge
+from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
+
+
+class RingX1(Schedule):
+    name = "ringx1"
+    layout = "contiguous"
+    masks = "any"
+    causal = False
+    memory = "O(local)"
+    summary = "broadcast q_i, distributed merge onto i; backward broadcast kv_i, reduce dk/dv onto i"
+    #: issue the next broadcast before this step's compute and wait for this step's reduces one step later
+    overlap = False
+
+    def shared(self, world: int, owner: int, phase: str) -> bool:
+        """Whether ranks other than ``owner`` take part in ``owner``'s step of ``phase`` ("forward" or
+        "backward"); a step nobody else computes for runs locally, without communication."""
+        return world > 1
+
+    def _owners(self, world: int, phase: str) -> list[int]:
+        return [i for i in range(world) if self.shared(world, i, phase)]
+
+    @staticmethod
+    def _broadcast(rt: Runtime, mine: torch.Tensor, owners: list[int], n: int):
+        """Start broadcasting step ``n``'s tensor from its owner; ``(tensor, handle)``, None past the end."""
+        if n >= len(owners):
+            return None
+        i = owners[n]
+        buf = mine if rt.rank == i else rt.comm.new_buffer(mine.shape, mine.dtype, mine.device)
+        return buf, rt.comm.broadcast(buf, src=i, async_op=True)
+
+    def forward(self, rt: Runtime, q, k, v):
+        r = rt.rank
+        owners = self._owners(rt.world, "forward")
+        result = new_accumulators(q)
+        if r not in owners:
+            attend(rt, q, k, v, rt.blocks(r, [r]), *result)
+        incoming = self._broadcast(rt, q, owners, 0)
+        merging = None  # (owner, pending distributed merge) of the previous step
+        for n, i in enumerate(owners):
+            q_i, handle = incoming
+            if self.overlap:
+                incoming = self._broadcast(rt, q, owners, n + 1)
+            handle.wait()
+            out_i, lse_i = new_accumulators(q_i)  # stays (0, -inf) where kv_r has nothing for q_i
+            attend(rt, q_i, k, v, rt.blocks(i, [r]), out_i, lse_i)
+            if merging is not None:
+                result = self._land(r, merging, result)
+            merging = (i, start_distributed_merge(out_i, lse_i, i, rt.comm))
+            if not self.overlap:
+                result = self._land(r, merging, result)
+                merging = None
+                incoming = self._broadcast(rt, q, owners, n + 1)
+        if merging is not None:
+            result = self._land(r, merging, result)
+        out, lse = result
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def _land(rank: int, merging, result):
+        """Wait for a distributed merge; the owner's result replaces ``result`` (fresh tensors)."""
+        owner, pending = merging
+        merged = pending.wait()
+        return merged if owner == rank else result
+
+    def backward(self, rt: Runtime, dout, q, k, v, out, lse):
+        r = rt.rank
+        acc = acc_dtype(q.dtype)
+        kv = torch.stack([k, v])  # one broadcast per step: [2, b, s, h_kv, d]
+        owners = self._owners(rt.world, "backward")
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        if r not in owners:
+            attend_backward(rt, dout, q, k, v, out, lse, rt.blocks(r, [r]), dq, dkv[0], dkv[1])
+        incoming = self._broadcast(rt, kv, owners, 0)
+        reducing = None  # (owner, buffer, handle) of the previous step's dk/dv reduce
+        for n, i in enumerate(owners):
+            kv_i, handle = incoming
+            if self.overlap:
+                incoming = self._broadcast(rt, kv, owners, n + 1)
+            handle.wait()
+            dkv_i = torch.zeros(kv.shape, dtype=acc, device=q.device)
+            attend_backward(rt, dout, q, kv_i[0], kv_i[1], out, lse, rt.blocks(r, [i]), dq, dkv_i[0], dkv_i[1])
+            if reducing is not None:
+                dkv = self._land_reduce(r, reducing, dkv)
+            reducing = (i, dkv_i, rt.comm.reduce(dkv_i, dst=i, async_op=True))
+            if not self.overlap:
+                dkv = self._land_reduce(r, reducing, dkv)
+                reducing = None
+                incoming = self._broadcast(rt, kv, owners, n + 1)
+        if reducing is not None:
+            dkv = self._land_reduce(r, reducing, dkv)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+    @staticmethod
+    def _land_reduce(rank: int, reducing, dkv: torch.Tensor) -> torch.Tensor:
+        """Wait for a dk/dv reduce; on its owner the reduced buffer is the result."""
+        owner, buf, handle = reducing
+        handle.wait()
+        return buf if owner == rank else dkv
+
+    # ------------------------------------------------------------------ analytic volume
+    def _backward_volume(self, shape: Shape, rank: int) -> dict[str, dict[str, int]]:
+        owners = self._owners(shape.world, "backward")
+        if not owners:
+            return {}
+        n, mine = len(owners), int(rank in owners)
+        kv, dkv = shape.kv_bytes, shape.dkv_bytes
+        return {"broadcast": op_volume(n, mine * kv, (n - mine) * kv),
+                "reduce": op_volume(n, (n - mine) * dkv, mine * dkv)}
+
+    def volume(self, shape: Shape, rank: int) -> Volume:
+        owners = self._owners(shape.world, "forward")
+        forward = {}
+        if owners:
+            p, n, mine = shape.world, len(owners), int(rank in owners)
+            rows = shape.batch * shape.local_len * shape.heads
+            q_bytes = rows * shape.head_dim * shape.elem
+            num, den = rows * shape.head_dim * shape.acc_elem, rows * shape.acc_elem
+            all_reduce = 2 * (p - 1) * den // p  # the lse maximum: one float32 per row
+            forward = {"broadcast": op_volume(n, mine * q_bytes, (n - mine) * q_bytes),
+                       "all_reduce": op_volume(n, n * all_reduce, n * all_reduce),
+                       "reduce": op_volume(2 * n, (n - mine) * (num + den), mine * (num + den))}
+        return {"forward": forward, "backward": self._backward_volume(shape, rank)}
+
+
+class RingX1o(RingX1):
+    name = "ringx1o"
+    memory = "O(local), 2 buffers"
+    summary = "X1 pipelined: next broadcast in flight during compute, reduces waited one step later"
+    overlap = True

@@ -1,0 +1,65 @@
+"""RingX X4 and X4o: broadcast every kv block, zigzag causal rule, O(local) memory.
+
+Forward, one step per source rank i: i broadcasts its packed kv_i; every rank attends its local
+queries to it under the causal mask on the zigzag layout (the X3 rule, given by the classifier: from
+i < r all local queries against the first half of kv_i, from i > r the second local half against all
+of kv_i, from i = r the causal diagonal) and merges pairwise into its own accumulators. No partial
+output travels. Backward is X1's: broadcast kv_i, run the block rule, reduce-sum a zeroed float32
+dk_i/dv_i onto i; dq stays local.
+
+X4o issues the broadcast of step i+1 before step i's compute (two kv buffers) and waits for the
+dk/dv reduce of step i at step i+1.
+
+At world size 1 everything is local. Per rank, for P > 1: forward P broadcasts (send KV once,
+receive (P-1) KV); backward P broadcasts of KV and P reduces (send (P-1) dKV, receive dKV), with KV
+the packed kv in the input dtype and dKV the packed float32 dk/dv.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Runtime, Shape, Volume, attend, new_accumulators, op_volume
+from .ringx1 import RingX1
+
+
+class RingX4(RingX1):
+    name = "ringx4"
+    layout = "zigzag"
+    masks = ("causal",)
+    causal = True
+    bidirectional = False
+    summary = "broadcast kv_i, zigzag causal rule, pairwise merge; backward reduce dk/dv onto i"
+
+    def forward(self, rt: Runtime, q, k, v):
+        r = rt.rank
+        out, lse = new_accumulators(q)
+        kv = torch.stack([k, v])
+        owners = self._owners(rt.world, "forward")
+        if r not in owners:
+            attend(rt, q, k, v, rt.blocks(r, [r]), out, lse)
+        incoming = self._broadcast(rt, kv, owners, 0)
+        for n, i in enumerate(owners):
+            kv_i, handle = incoming
+            if self.overlap:
+                incoming = self._broadcast(rt, kv, owners, n + 1)
+            handle.wait()
+            attend(rt, q, kv_i[0], kv_i[1], rt.blocks(r, [i]), out, lse)
+            if not self.overlap:
+                incoming = self._broadcast(rt, kv, owners, n + 1)
+        return out.to(q.dtype), lse
+
+    def volume(self, shape: Shape, rank: int) -> Volume:
+        owners = self._owners(shape.world, "forward")
+        forward = {}
+        if owners:
+            n, mine, kv = len(owners), int(rank in owners), shape.kv_bytes
+            forward = {"broadcast": op_volume(n, mine * kv, (n - mine) * kv)}
+        return {"forward": forward, "backward": self._backward_volume(shape, rank)}
+
+
+class RingX4o(RingX4):
+    name = "ringx4o"
+    memory = "O(local), 2 buffers"
+    summary = "X4 pipelined: next kv broadcast in flight during compute, reduces waited one step later"
+    overlap = True
