@@ -24,13 +24,17 @@ class AllGatherSchedule(Schedule):
     masks = "any"
     memory = "O(global kv)"
     summary = "all-gather kv, reduce-scatter dk/dv"
+    #: run the two collectives in two levels (rails, then node) when the runtime has a topology
+    hierarchical = False
 
     def layout_for(self, mask) -> str:
         return "zigzag" if mask.is_causal else "contiguous"
 
     def _gather(self, rt: Runtime, kv: torch.Tensor):
+        """Start gathering every rank's packed kv: ``([P, 2, b, s, h_kv, d], handle)``."""
         gathered = rt.comm.new_buffer((rt.world, *kv.shape), kv.dtype, kv.device)
-        return gathered, rt.comm.all_gather(gathered, kv, async_op=True)
+        topology = rt.topology if self.hierarchical else None
+        return gathered, rt.comm.hierarchical_all_gather(gathered, kv, topology, async_op=True)
 
     def forward(self, rt: Runtime, q, k, v):
         p, r = rt.world, rt.rank
@@ -58,7 +62,7 @@ class AllGatherSchedule(Schedule):
                 attend_backward(rt, dout, q, gathered[j, 0], gathered[j, 1], out, lse, rt.blocks(r, [j]),
                                 dq, dkv_all[j, 0], dkv_all[j, 1])
         dkv = rt.comm.new_buffer(kv.shape, acc, q.device)
-        rt.comm.reduce_scatter(dkv, dkv_all)
+        rt.comm.hierarchical_reduce_scatter(dkv, dkv_all, rt.topology if self.hierarchical else None)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
     def volume(self, shape: Shape, rank: int) -> Volume:
