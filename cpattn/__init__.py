@@ -14,6 +14,7 @@ from .api import (
     ringx4_attn_func,
     ringx4o_attn_func,
     stripe_ring_attn_func,
+    ulysses_attn_func,
     zigzag_ring_attn_func,
 )
 from .comm import Communicator
@@ -41,5 +42,6 @@ __all__ = [
     "ringx4o_attn_func",
     "schedules",
     "stripe_ring_attn_func",
+    "ulysses_attn_func",
     "zigzag_ring_attn_func",
 ]

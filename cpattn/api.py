@@ -19,24 +19,55 @@ from .schedules.base import Attention, Runtime
 log = logging.getLogger(__name__)
 
 
-def _auto_schedule(mask: Mask) -> tuple[str, str]:
-    """Pick a schedule without a cost model: balanced zigzag ring for causal masks, ring otherwise."""
-    if mask.is_causal and mask.name == "causal":
-        return "zigzag_ring", "causal mask: the zigzag layout balances work across ranks"
-    return "ring", f"mask {mask.name!r}: ring supports every mask with O(local) memory"
+#: the per-rank shape ``schedule="auto"`` estimates with: the layout (which ``shard`` needs) is fixed at
+#: construction, before any q, k, v is seen
+AUTO_SHAPE = {"batch": 1, "heads": 32, "kv_heads": 8, "head_dim": 128}
+
+
+def _auto_schedule(mask: Mask, seq_len: int, world: int, topology: Topology | None) -> tuple[str, str]:
+    """The schedule with the lowest predicted forward+backward time (``cpattn.cost.choose``) among those
+    that support the mask, the layout split, :data:`AUTO_SHAPE` and declare their steps; ``(name, why)``.
+
+    Estimated on ``topology`` when given, else on the ``local`` preset: the calibration profile at the
+    default location, or conservative defaults without one (or with an unreadable one, with a warning).
+    Pure and deterministic, so every rank makes the same choice without communicating, as long as they
+    see the same topology (on several hosts, pass one explicitly: profiles may differ between hosts).
+    """
+    from . import cost
+    from .cost.profile import ProfileError
+
+    layout_mod.Layout("contiguous").check(seq_len, world)
+    if topology is None:
+        try:
+            topology = cost.presets.preset("local", world)
+        except ProfileError as exc:
+            log.warning("schedule='auto': ignoring the calibration profile (%s); using conservative defaults", exc)
+            topology = cost.presets.local(world)
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    return cost.choose(cost.Problem(seq_len, world, mask, dtype=dtype, **AUTO_SHAPE), topology)
 
 
 class ContextParallel:
     """Exact attention over a sequence of ``seq_len`` tokens split across the ranks of ``group``.
 
-    ``mask``: a :class:`cpattn.masks.Mask`, ``"causal"`` or ``"full"``. ``schedule``: a name from
-    ``cpattn.schedules.available()`` or ``"auto"``. ``backend``: local kernels, ``"auto"``, ``"aten"``
-    or ``"math"``. Every argument is checked here, before any communication.
+    ``mask``: a :class:`cpattn.masks.Mask`, ``"causal"``, ``"full"`` or a mask spec dict
+    (``cpattn.masks.from_spec``). ``schedule``: a name from ``cpattn.schedules.available()`` or
+    ``"auto"``. ``backend``: local kernels, ``"auto"``, ``"aten"`` or ``"math"``. ``layout``: None (the
+    schedule's own), ``"balanced"`` (an explicit layout that evens out the mask's work per rank,
+    ``cpattn.layout.balanced``), a layout name or a :class:`cpattn.layout.Layout`; only schedules with
+    ``custom_layout`` accept one. Every argument is checked here, before any communication.
+
+    Padding: when the layout cannot split ``seq_len`` evenly, the sequence is padded at its end to
+    ``padded_len`` with tokens that attend nothing and that nothing attends. ``shard`` takes the
+    unpadded tensor and returns this rank's ``local_len`` tokens (padding rows zero-filled);
+    ``attention`` takes and returns those padded local tensors (padding rows of ``out`` are 0, of
+    ``lse`` -inf, and their gradients 0); ``unshard`` returns the unpadded full tensor; ``positions``
+    marks padding rows with -1.
     """
 
-    def __init__(self, seq_len: int, mask: Mask | str = "causal", schedule: str = "auto",
+    def __init__(self, seq_len: int, mask: Mask | str | dict = "causal", schedule: str = "auto",
                  group: dist.ProcessGroup | None = None, topology: Topology | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", layout: str | layout_mod.Layout | None = None) -> None:
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
         self.mask = resolve(mask)
@@ -52,15 +83,42 @@ class ContextParallel:
         if not isinstance(schedule, str):
             raise TypeError(f"schedule must be a name (str), got {type(schedule).__name__}")
         if schedule == "auto":
-            schedule, why = _auto_schedule(self.mask)
+            even = -(-seq_len // (2 * self.comm.world_size)) * 2 * self.comm.world_size  # padded
+            schedule, why = _auto_schedule(self.mask, even, self.comm.world_size, topology)
             log.debug("schedule='auto' chose %s: %s", schedule, why)
         self.schedule = schedules.get(schedule)
         self.schedule.check_mask(self.mask)
-        self.layout = layout_mod.Layout(self.schedule.layout_for(self.mask))
-        self.layout.check(seq_len, self.comm.world_size)
+        self.mask.check_seq_len(seq_len)
+        self.layout, self.padded_len = self._choose_layout(layout, seq_len)
         self.seq_len = seq_len
         self.backend = backend
-        self._runtime = Runtime(self.comm, self.mask, self.layout, seq_len, backend=backend, topology=topology)
+        self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
+                                topology=topology, valid_len=seq_len)
+
+    def _choose_layout(self, layout, seq_len: int) -> tuple[layout_mod.Layout, int]:
+        """The layout and the padded length it splits."""
+        world, sched = self.comm.world_size, self.schedule
+        if layout is None:
+            lay = layout_mod.Layout(sched.layout_for(self.mask))
+            return lay, lay.padded_len(seq_len, world)
+        if not sched.custom_layout:
+            takers = ", ".join(s["name"] for s in schedules.available() if s["custom_layout"])
+            raise ValueError(f"layout={layout!r}: schedule {sched.name!r} runs only on its own "
+                             f"{sched.layout_for(self.mask)!r} layout; schedules that accept a layout: {takers}")
+        if layout == "balanced":
+            m = world * layout_mod.BALANCED_CHUNKS_PER_RANK
+            padded = -(-seq_len // m) * m
+            return layout_mod.balanced(self.mask, padded, world, valid_len=seq_len), padded
+        if isinstance(layout, str):
+            if layout not in layout_mod.LAYOUTS:
+                raise ValueError(f"layout={layout!r} is unknown; accepted: None, 'balanced', "
+                                 f"{', '.join(map(repr, layout_mod.LAYOUTS))} or a cpattn.layout.Layout")
+            layout = layout_mod.Layout(layout)
+        if not isinstance(layout, layout_mod.Layout):
+            raise TypeError(f"layout must be None, a name or a cpattn.layout.Layout, got {type(layout).__name__}")
+        if layout.name == "striped":
+            raise ValueError("layout='striped' is not a range layout: only schedule 'stripe_ring' runs on it")
+        return layout, layout.padded_len(seq_len, world)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -77,18 +135,26 @@ class ContextParallel:
 
     @property
     def local_len(self) -> int:
-        return self.seq_len // self.comm.world_size
+        """Tokens per rank, padding included."""
+        return self.padded_len // self.comm.world_size
 
     # ------------------------------------------------------------------ layout
     def positions(self) -> torch.Tensor:
-        """Global token index of each local token (1-D LongTensor)."""
-        return self.layout.positions(self.seq_len, self.world_size, self.rank)
+        """Global token index of each local token (1-D LongTensor); -1 marks padding tokens."""
+        pos = self.layout.positions(self.padded_len, self.world_size, self.rank)
+        return torch.where(pos < self.seq_len, pos, -1)
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's tokens of a full tensor whose sequence (length ``seq_len``) is at ``dim``."""
+        """This rank's ``local_len`` tokens of a full tensor whose sequence (length ``seq_len``) is at
+        ``dim``, in the layout's order; padding rows are zero-filled."""
         if x.shape[dim] != self.seq_len:
             raise ValueError(f"shard: tensor has {x.shape[dim]} tokens at dim {dim}, expected seq_len={self.seq_len}")
-        return layout_mod.shard(x, self.layout, self.world_size, self.rank, dim)
+        pos = self.positions().to(x.device)
+        local = x.index_select(dim, pos.clamp(min=0))
+        pad = (pos < 0).nonzero().flatten()
+        if pad.numel():
+            local.index_fill_(dim, pad, 0)
+        return local.contiguous()
 
     def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Gather every rank's local tensor; all ranks get the full tensor in original token order."""
@@ -98,7 +164,7 @@ class ContextParallel:
         gathered = torch.empty((self.world_size, *moved.shape), dtype=x.dtype, device=x.device)
         self._gather_comm.all_gather(gathered, moved)
         parts = [gathered[r].movedim(0, dim) for r in range(self.world_size)]
-        return layout_mod.assemble(parts, self.layout, dim)
+        return layout_mod.assemble(parts, self.layout, dim).narrow(dim, 0, self.seq_len)
 
     # ------------------------------------------------------------------ attention
     def _validate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale) -> float:
@@ -125,7 +191,7 @@ class ContextParallel:
         for name, t in (("q", q), ("k", k)):
             if t.shape[1] != self.local_len:
                 raise ValueError(f"{name} has {t.shape[1]} local tokens; with seq_len={self.seq_len} over "
-                                 f"{self.world_size} ranks each rank holds {self.local_len}")
+                                 f"{self.world_size} ranks each rank holds {self.local_len} (padding included)")
         h, hkv = q.shape[2], k.shape[2]
         if hkv < 1 or h % hkv != 0:
             raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
@@ -201,3 +267,4 @@ ringx3_attn_func = _functional("ringx3")
 ringx3b_attn_func = _functional("ringx3b")
 ringx4_attn_func = _functional("ringx4")
 ringx4o_attn_func = _functional("ringx4o")
+ulysses_attn_func = _functional("ulysses")

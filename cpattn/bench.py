@@ -59,6 +59,10 @@ class BenchRow:
     bytes_sent: int = 0  # busiest rank, one forward + backward
     bytes_recv: int = 0
     peak_mem_bytes: int = 0  # busiest rank, growth during forward + backward
+    pred_fwd_s: float = float("nan")  # cost-model prediction (see predict)
+    pred_fwd_bwd_s: float = float("nan")
+    pred_fwd_error: float = float("nan")  # (predicted - measured) / measured
+    pred_error: float = float("nan")  # forward + backward
     extra: dict = field(default_factory=dict)
 
 
@@ -234,28 +238,88 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
     return {"config": asdict(cfg), "baseline": baseline, "rows": [asdict(r) for r in rows], "environment": env}
 
 
+def predict(result: dict, profile=None) -> dict:
+    """Add the cost model's predictions to a :func:`run` result (in place; also returned).
+
+    Each row gains ``pred_fwd_s``, ``pred_fwd_bwd_s`` and the relative errors ``pred_fwd_error`` and
+    ``pred_error`` ((predicted - measured) / measured), estimated on the ``local`` topology for the
+    run's world size, cores and threads per rank, from ``profile`` (a :class:`cpattn.cost.Profile`;
+    None = the profile at the default location, else conservative defaults). A schedule the model
+    cannot estimate keeps NaN and says why in ``extra["prediction"]``. ``result["prediction"]`` gets
+    the topology used and the median absolute error over the rows.
+    """
+    from .cost import Problem, estimate
+    from .cost.presets import local
+    from .cost.profile import load_default
+
+    cfg, env = result["config"], result["environment"]
+    prof = profile if profile is not None else load_default()
+    topo = local(cfg["world"], prof, threads_per_rank=env["threads_per_rank"], cores=env["cores"])
+    problem = Problem(cfg["seq"], cfg["world"], cfg["mask"], cfg["batch"], cfg["heads"], cfg["kv_heads"],
+                      cfg["head_dim"], cfg["dtype"])
+    for row in result["rows"]:
+        if not row["ok"]:
+            continue
+        try:
+            fwd = estimate(row["schedule"], problem, topo, "forward").total
+            both = estimate(row["schedule"], problem, topo, "forward+backward").total
+        except NotImplementedError as exc:
+            row["extra"]["prediction"] = str(exc)
+            continue
+        row["pred_fwd_s"], row["pred_fwd_bwd_s"] = fwd, both
+        row["pred_fwd_error"] = (fwd - row["fwd_s"]) / row["fwd_s"]
+        row["pred_error"] = (both - row["fwd_bwd_s"]) / row["fwd_bwd_s"]
+    result["prediction"] = {"topology": topo.name, **prediction_summary([result])}
+    return result
+
+
+def prediction_summary(results: list[dict]) -> dict:
+    """Median absolute relative prediction error over every predicted row of ``results`` (forward +
+    backward, and forward), with the number of rows."""
+    rows = [r for res in results for r in res["rows"] if r["ok"] and np.isfinite(r["pred_error"])]
+    if not rows:
+        return {"rows": 0, "median_abs_error": float("nan"), "median_abs_fwd_error": float("nan")}
+    return {"rows": len(rows), "median_abs_error": statistics.median(abs(r["pred_error"]) for r in rows),
+            "median_abs_fwd_error": statistics.median(abs(r["pred_fwd_error"]) for r in rows)}
+
+
 def render(result: dict):
-    """A rich table of a :func:`run` result."""
+    """A rich table of a :func:`run` result (with prediction columns after :func:`predict`)."""
     from rich.table import Table
 
     cfg, env, base = result["config"], result["environment"], result["baseline"]
+    predicted = "prediction" in result
     title = (f"cpattn bench: P={cfg['world']} S={cfg['seq']} b={cfg['batch']} h={cfg['heads']}:{cfg['kv_heads']} "
              f"d={cfg['head_dim']} {cfg['mask']} {cfg['dtype']} | {env['cores']} cores, "
              f"{env['threads_per_rank']} threads/rank, torch {env['torch']}, {env['backend']}")
-    t = Table(title=title, caption=(f"one process ({env['threads_per_rank'] * cfg['world']} threads): "
-                                    f"fwd {base['fwd_s'] * 1e3:.1f} ms, fwd+bwd {base['fwd_bwd_s'] * 1e3:.1f} ms; "
-                                    "times: median over iterations of the slowest rank; "
-                                    "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd"))
-    for col in ("schedule", "fwd ms", "fwd+bwd ms", "TFLOP/s/rank", "vs 1 proc", "sent MB/rank",
-                "recv MB/rank", "peak MB/rank", "max rel err"):
+    caption = (f"one process ({env['threads_per_rank'] * cfg['world']} threads): "
+               f"fwd {base['fwd_s'] * 1e3:.1f} ms, fwd+bwd {base['fwd_bwd_s'] * 1e3:.1f} ms; "
+               "times: median over iterations of the slowest rank; "
+               "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd")
+    if predicted:
+        caption += (f"; predicted on topology {result['prediction']['topology']!r}, "
+                    "error = (predicted - measured) / measured")
+    t = Table(title=title, caption=caption)
+    cols = ["schedule", "fwd ms", "fwd+bwd ms", "TFLOP/s/rank", "vs 1 proc", "sent MB/rank", "recv MB/rank",
+            "peak MB/rank", "max rel err"]
+    if predicted:
+        cols += ["pred fwd ms", "pred fwd+bwd ms", "pred err"]
+    for col in cols:
         t.add_column(col, justify="left" if col == "schedule" else "right")
     for r in result["rows"]:
         if not r["ok"]:
-            t.add_row(r["schedule"], "[red]" + r["note"][:80] + "[/red]", *[""] * 7)
+            t.add_row(r["schedule"], "[red]" + r["note"][:80] + "[/red]", *[""] * (len(cols) - 2))
             continue
-        t.add_row(r["schedule"], f"{r['fwd_s'] * 1e3:.1f}", f"{r['fwd_bwd_s'] * 1e3:.1f}",
-                  f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x", f"{r['bytes_sent'] / 1e6:.1f}",
-                  f"{r['bytes_recv'] / 1e6:.1f}", f"{r['peak_mem_bytes'] / 1e6:.1f}", f"{r['error']:.1e}")
+        cells = [r["schedule"], f"{r['fwd_s'] * 1e3:.1f}", f"{r['fwd_bwd_s'] * 1e3:.1f}",
+                 f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x", f"{r['bytes_sent'] / 1e6:.1f}",
+                 f"{r['bytes_recv'] / 1e6:.1f}", f"{r['peak_mem_bytes'] / 1e6:.1f}", f"{r['error']:.1e}"]
+        if predicted:
+            if np.isfinite(r["pred_error"]):
+                cells += [f"{r['pred_fwd_s'] * 1e3:.1f}", f"{r['pred_fwd_bwd_s'] * 1e3:.1f}",
+                          f"{r['pred_error']:+.0%}"]
+            else:
+                cells += ["-", "-", "not modelled"]
+        t.add_row(*cells)
     return t
 
 
@@ -284,4 +348,5 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["BenchConfig", "BenchRow", "flops", "plot", "render", "run", "save_json"]
+__all__ = ["BenchConfig", "BenchRow", "flops", "plot", "predict", "prediction_summary", "render", "run",
+           "save_json"]

@@ -4,6 +4,12 @@ Pure functions of (layout, seq_len, world, rank): no process group needed. A lay
 rank, the global position ranges it holds *in local order*; ``positions`` expands them. ``shard``
 picks a rank's tokens from a full tensor; ``assemble`` puts every rank's local tensors back in the
 original order (``ContextParallel.unshard`` gathers, then assembles).
+
+Named layouts follow a rule for any length: contiguous, zigzag, striped. The general case is an
+*explicit* layout: per-rank ranges for one sequence length (:meth:`Layout.explicit`); :func:`balanced`
+builds one that evens out a mask's attention work across ranks. Every rank holds the same number of
+tokens. A length a layout cannot split is padded up to :meth:`Layout.padded_len` (the padding tokens,
+at the end of the sequence, are masked out; see ``cpattn.blocks``).
 """
 
 from __future__ import annotations
@@ -12,28 +18,87 @@ from dataclasses import dataclass
 
 import torch
 
+from .masks import Mask
+
 LAYOUTS = ("contiguous", "zigzag", "striped")
+#: chunks per rank that :func:`balanced` deals out
+BALANCED_CHUNKS_PER_RANK = 4
+
+Ranges = tuple[tuple[tuple[int, int], ...], ...]  # rank -> ((start, stop), ...) in local order
 
 
 @dataclass(frozen=True)
 class Layout:
     """``name``: contiguous (rank r holds [r*s, (r+1)*s)), zigzag (2P chunks; rank r holds chunks r and
-    2P-1-r, in that order) or striped (token t lives on rank t mod P)."""
+    2P-1-r, in that order), striped (token t lives on rank t mod P), or any other name for an explicit
+    layout, whose ``rank_ranges`` give each rank's global ranges (see :meth:`explicit`)."""
 
     name: str
+    rank_ranges: Ranges | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in LAYOUTS:
-            raise ValueError(f"layout={self.name!r} is unknown; accepted: {', '.join(LAYOUTS)}")
+        if self.rank_ranges is None and self.name not in LAYOUTS:
+            raise ValueError(f"layout={self.name!r} is unknown; accepted: {', '.join(LAYOUTS)} "
+                             "(or an explicit layout: Layout.explicit(ranges))")
+        if self.rank_ranges is not None:
+            self._check_explicit()
+
+    @staticmethod
+    def explicit(rank_ranges, name: str = "explicit") -> Layout:
+        """A layout from per-rank global ``[start, stop)`` ranges (in local order). Together they must
+        cover ``[0, S)`` exactly once, with the same number of tokens on every rank."""
+        return Layout(name, tuple(tuple((int(a), int(b)) for a, b in rr) for rr in rank_ranges))
+
+    def _check_explicit(self) -> None:
+        if self.name in LAYOUTS:
+            raise ValueError(f"an explicit layout cannot be named {self.name!r} (a rule-based layout)")
+        if not self.rank_ranges:
+            raise ValueError("an explicit layout needs at least one rank")
+        spans = sorted(r for rr in self.rank_ranges for r in rr)
+        if any(a >= b for a, b in spans) or spans[0][0] != 0 or \
+                any(spans[i][1] != spans[i + 1][0] for i in range(len(spans) - 1)):
+            raise ValueError("explicit layout ranges must be non-empty and cover [0, S) exactly once")
+        sizes = {sum(b - a for a, b in rr) for rr in self.rank_ranges}
+        if len(sizes) != 1:
+            raise ValueError(f"explicit layout ranks hold different numbers of tokens: {sorted(sizes)}")
+
+    @property
+    def total(self) -> int | None:
+        """The sequence length of an explicit layout (None for rule-based layouts)."""
+        if self.rank_ranges is None:
+            return None
+        return sum(b - a for rr in self.rank_ranges for a, b in rr)
 
     def multiple(self, world: int) -> int:
-        """The global length must be a multiple of this."""
+        """The global length must be a multiple of this (an explicit layout: its own length)."""
+        if self.rank_ranges is not None:
+            return self.total
         return 2 * world if self.name == "zigzag" else world
 
-    def check(self, seq_len: int, world: int) -> None:
+    def padded_len(self, seq_len: int, world: int) -> int:
+        """The smallest length >= ``seq_len`` this layout splits over ``world`` ranks."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if self.rank_ranges is not None:
+            self._check_world(world)
+            if seq_len > self.total:
+                raise ValueError(f"seq_len={seq_len} is longer than the explicit layout {self.name!r} "
+                                 f"({self.total} tokens)")
+            return self.total
+        m = self.multiple(world)
+        return -(-seq_len // m) * m
+
+    def _check_world(self, world: int) -> None:
         if world < 1:
             raise ValueError(f"world size must be >= 1, got {world}")
+        if self.rank_ranges is not None and world != len(self.rank_ranges):
+            raise ValueError(f"layout {self.name!r} is for {len(self.rank_ranges)} ranks, not {world}")
+
+    def check(self, seq_len: int, world: int) -> None:
+        self._check_world(world)
         m = self.multiple(world)
+        if self.rank_ranges is not None and seq_len != m:
+            raise ValueError(f"layout {self.name!r} splits exactly {m} tokens, not seq_len={seq_len}")
         if seq_len < 1 or seq_len % m != 0:
             raise ValueError(
                 f"seq_len={seq_len} cannot be split by the {self.name} layout over {world} ranks: "
@@ -49,6 +114,8 @@ class Layout:
         self.check(seq_len, world)
         if not 0 <= rank < world:
             raise ValueError(f"rank={rank} outside [0, {world})")
+        if self.rank_ranges is not None:
+            return list(self.rank_ranges[rank])
         if self.name == "contiguous":
             s = seq_len // world
             return [(rank * s, (rank + 1) * s)]
@@ -82,3 +149,73 @@ def assemble(parts: list[torch.Tensor], layout: Layout, dim: int = 1) -> torch.T
     out = torch.empty_like(stacked)
     out.index_copy_(dim, idx, stacked)
     return out
+
+
+# ---------------------------------------------------------------------------------- work balance
+def _row_work(mask: Mask, seq_len: int, valid_len: int | None) -> torch.Tensor:
+    """Allowed keys of every query row ``[seq_len]`` (0 for padding rows, padding keys excluded)."""
+    valid = seq_len if valid_len is None else valid_len
+    work = torch.zeros(seq_len, dtype=torch.long)
+    work[:valid] = mask.row_counts(0, valid, 0, valid)
+    return work
+
+
+@dataclass(frozen=True)
+class WorkReport:
+    """Attention work per rank, in allowed (query, key) pairs: what each rank computes when its queries
+    stay home and meet every key (ring, zigzag ring, all-gather). ``imbalance`` = max / mean (1 is
+    perfect)."""
+
+    per_rank: tuple[int, ...]
+
+    @property
+    def max(self) -> int:
+        return max(self.per_rank)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.per_rank) / len(self.per_rank)
+
+    @property
+    def imbalance(self) -> float:
+        return self.max / self.mean if self.mean else 1.0
+
+
+def work_report(layout: Layout, mask: Mask, seq_len: int, world: int, valid_len: int | None = None) -> WorkReport:
+    """Work per rank of ``mask`` on ``layout`` (``seq_len``: the padded length the layout splits;
+    positions ``>= valid_len`` are padding). Cost: one :meth:`Mask.row_counts` over the sequence."""
+    work = _row_work(mask, seq_len, valid_len)
+    return WorkReport(tuple(int(work[layout.positions(seq_len, world, r)].sum()) for r in range(world)))
+
+
+def balanced(mask: Mask, seq_len: int, world: int, valid_len: int | None = None,
+             chunks_per_rank: int = BALANCED_CHUNKS_PER_RANK) -> Layout:
+    """An explicit layout that evens out ``mask``'s work across ranks.
+
+    The (padded) sequence is cut into ``world * chunks_per_rank`` equal chunks; their work (allowed
+    pairs of their query rows) is dealt out greedily, largest first, each to the least-loaded rank
+    that still has room, so every rank gets ``chunks_per_rank`` chunks. Under a causal mask with two
+    chunks per rank this is exactly the zigzag layout. Each rank keeps its chunks in sequence order,
+    adjacent ones fused. ``seq_len`` must be a multiple of ``world * chunks_per_rank``.
+    """
+    n = world * chunks_per_rank
+    if world < 1 or chunks_per_rank < 1 or seq_len % n:
+        raise ValueError(f"balanced layout: seq_len={seq_len} must be a multiple of world * chunks_per_rank "
+                         f"= {world} * {chunks_per_rank}")
+    c = seq_len // n
+    chunk_work = _row_work(mask, seq_len, valid_len).view(n, c).sum(1).tolist()
+    load, owned = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(n), key=lambda i: (-chunk_work[i], i)):
+        r = min((r for r in range(world) if len(owned[r]) < chunks_per_rank), key=lambda r: (load[r], r))
+        load[r] += chunk_work[i]
+        owned[r].append(i)
+    ranges = []
+    for chunks in owned:
+        rr: list[tuple[int, int]] = []
+        for i in sorted(chunks):
+            if rr and rr[-1][1] == i * c:
+                rr[-1] = (rr[-1][0], (i + 1) * c)
+            else:
+                rr.append((i * c, (i + 1) * c))
+        ranges.append(rr)
+    return Layout.explicit(ranges, name="balanced")

@@ -8,11 +8,19 @@ checked too: the bytes and calls each rank counted must equal the schedule's ana
 
 :func:`rank_case` runs on every worker of a :class:`~cpattn.launcher.LocalWorld`; :func:`check`
 runs in the parent and judges the results.
+
+Masks: a case names a mask kind (``Case.mask``) and its JSON-able arguments (``Case.mask_args``), as
+``cpattn.masks.from_spec`` takes them. The reference builds its own dense mask from that description
+(:func:`dense_mask`, pair by pair, from the definitions in the mask docstrings), never through the
+library's masks. Padding rows (a length the layout cannot split) and rows or keys the mask leaves
+empty must come out exactly: out 0, lse -inf and zero gradients.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -41,13 +49,22 @@ class Case:
     group: tuple[int, ...] | None = None  # global ranks of a subgroup to run on; None = the whole world
     backend: str = "auto"
     topology: tuple[int, int] | None = None  # (nodes, devices_per_node) passed to ContextParallel
+    mask_args: dict | None = None  # JSON-able arguments of the mask kind ``mask`` (cpattn.masks.from_spec)
+    layout: str | None = None  # passed to ContextParallel (None: the schedule's own; "balanced")
+
+    @property
+    def mask_spec(self) -> dict:
+        return {"kind": self.mask, **(self.mask_args or {})}
 
     @property
     def label(self) -> str:
         where = f"P={self.world}" if self.group is None else f"group{list(self.group)}/P={self.world}"
         if self.topology is not None:
             where += f" topo={self.topology[0]}x{self.topology[1]}"
-        return (f"{self.schedule} {where} {self.mask} {self.dtype} h={self.heads}:{self.kv_heads} "
+        mask = self.mask if not self.mask_args else f"{self.mask}{json.dumps(self.mask_args, separators=(',', ':'))}"
+        if self.layout is not None:
+            where += f" layout={self.layout}"
+        return (f"{self.schedule} {where} {mask} {self.dtype} h={self.heads}:{self.kv_heads} "
                 f"S={self.seq} seed={self.seed}")
 
 
@@ -60,13 +77,90 @@ def make_inputs(case: Case) -> dict[str, torch.Tensor]:
     return {n: torch.randn(*shp, generator=g, dtype=torch.float64).to(dt) for n, shp in shapes.items()}
 
 
-def dense_mask(name: str, seq: int) -> torch.Tensor:
-    """The reference's own mask: bool [S, S], True = attend."""
-    if name == "causal":
-        return torch.ones(seq, seq, dtype=torch.bool).tril()
+_CELL = {0: 0, 1: 1, 2: 2, "empty": 0, "full": 1, "causal": 2}
+
+
+def _rule(name: str, args: dict) -> Callable[[int, int], bool]:
+    """The reference definition of one mask kind: ``allowed(q, k)`` for global positions q, k."""
+    a = dict(args)
     if name == "full":
-        return torch.ones(seq, seq, dtype=torch.bool)
+        return lambda q, k: True
+    if name == "causal":
+        return lambda q, k: k <= q
+    if name == "sliding_window":
+        w, causal = a["window"], a.get("causal", True)
+        return (lambda q, k: 0 <= q - k < w) if causal else (lambda q, k: abs(q - k) < w)
+    if name == "document":
+        doc_of = [i for i, n in enumerate(a["lengths"]) for _ in range(n)]
+        causal = a.get("causal", True)
+
+        def same_doc(q: int, k: int) -> bool:
+            return q < len(doc_of) and k < len(doc_of) and doc_of[q] == doc_of[k] and (k <= q or not causal)
+        return same_doc
+    if name in ("streaming", "star"):
+        bs, sink = a.get("block_size", 1), a.get("sink", 1)
+        window = a["window"] if name == "streaming" else 1
+        return lambda q, k: k <= q and (k // bs < sink or q // bs - k // bs < window)
+    if name == "global_local":
+        bs, g, w = a["block_size"], a.get("global_blocks", 1), a.get("local_blocks", 1)
+        return lambda q, k: q // bs < g or k // bs < g or abs(q // bs - k // bs) < w
+    if name == "strided":
+        bs, st, w, causal = a["block_size"], a["stride"], a.get("local", 1), a.get("causal", True)
+
+        def strided(q: int, k: int) -> bool:
+            dq = q // bs - k // bs
+            return (abs(dq) < w or dq % st == 0) and (k <= q or not causal)
+        return strided
+    if name == "block_table":
+        table, bs = a["table"], a["block_size"]
+
+        def cell(q: int, k: int) -> bool:
+            i, j = q // bs, k // bs
+            c = _CELL[table[i][j]] if i < len(table) and j < len(table[0]) else 0
+            return c == 1 or (c == 2 and q - i * bs >= k - j * bs)
+        return cell
+    if name in ("and", "or"):
+        rules = [_rule(m["kind"], {x: v for x, v in m.items() if x != "kind"}) for m in a["masks"]]
+        if name == "and":
+            return lambda q, k: all(r(q, k) for r in rules)
+        return lambda q, k: any(r(q, k) for r in rules)
     raise ValueError(f"no reference mask for {name!r}")
+
+
+def dense_mask(name: str, seq: int, args: dict | None = None) -> torch.Tensor:
+    """The reference's own mask: bool [S, S], True = attend, evaluated pair by pair from the mask
+    kind's definition (small S only)."""
+    rule = _rule(name, args or {})
+    return torch.tensor([[bool(rule(q, k)) for k in range(seq)] for q in range(seq)], dtype=torch.bool)
+
+
+def example_mask_args(name: str, seq: int) -> dict | None:
+    """Arguments for mask kind ``name`` that make an interesting pattern at length ``seq`` (used by
+    :func:`matrix` for bare mask names): every kind with EMPTY, FULL and PARTIAL blocks over a few ranks,
+    the document and block-table examples with rows that attend nothing or one token."""
+    if name in ("causal", "full"):
+        return None
+    if name == "sliding_window":
+        return {"window": max(2, seq // 7)}
+    if name == "document":
+        first, second = seq // 4 + 1, 1
+        third = max(1, (seq - first - second) // 2)
+        return {"lengths": [first, second, third, seq - first - second - third]}
+    if name == "strided":
+        return {"block_size": 4, "stride": 3}
+    if name == "global_local":
+        return {"block_size": 4, "global_blocks": 1, "local_blocks": 2}
+    if name == "star":
+        return {"block_size": max(2, seq // 8), "sink": 1}
+    if name == "streaming":
+        return {"sink": 3, "window": max(2, seq // 6)}
+    if name == "block_table":
+        bs = 8
+        n = -(-seq // bs)
+        table = [[2 if i == j else 1 if j < i and (i - j) % 2 else 0 for j in range(n)] for i in range(n)]
+        table[1] = [0] * n  # a block of rows that attends nothing
+        return {"table": table, "block_size": bs}
+    raise ValueError(f"no example arguments for mask {name!r}")
 
 
 def reference(q, k, v, dout, allowed: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
@@ -83,12 +177,34 @@ def reference(q, k, v, dout, allowed: torch.Tensor, scale: float) -> dict[str, t
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def local_kernel(q, k, v, dout, mask_name: str, scale: float) -> dict[str, torch.Tensor]:
-    """The single-device kernel on the whole sequence in the inputs' dtype (for e_local)."""
-    kind = BlockKind.CAUSAL if mask_name == "causal" else BlockKind.FULL
-    out, lse = kernels.forward(q, k, v, kind, scale)
-    dq, dk, dv = kernels.backward(dout, q, k, v, out.to(q.dtype), lse, kind, scale)
+def local_kernel(q, k, v, dout, mask_name: str, scale: float, allowed: torch.Tensor | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """The single-device kernel on the whole sequence in the inputs' dtype (for e_local): the causal or
+    full kernel, or the masked one with ``allowed`` for any other mask."""
+    kinds = {"causal": BlockKind.CAUSAL, "full": BlockKind.FULL}
+    kind = kinds.get(mask_name, BlockKind.PARTIAL)
+    mask = allowed if kind == BlockKind.PARTIAL else None
+    out, lse = kernels.forward(q, k, v, kind, scale, mask)
+    dq, dk, dv = kernels.backward(dout, q, k, v, out.to(q.dtype), lse, kind, scale, mask)
     return {"out": out.to(q.dtype), "lse": lse, "dq": dq.to(q.dtype), "dk": dk.to(q.dtype), "dv": dv.to(q.dtype)}
+
+
+def local_errors(x: dict[str, torch.Tensor], mask_name: str, scale: float, allowed: torch.Tensor,
+                 ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """e_local per quantity: the single-device kernel's error in the inputs' dtype. For a mask other
+    than causal / full, schedules run its FULL and CAUSAL sub-blocks on the fast kernel and the rest on
+    the masked one, so e_local is the larger of the masked kernel's error on this mask and the fast
+    kernel's error on the causal (or full) mask, each against its own float64 reference."""
+    args = (x["q"], x["k"], x["v"], x["dout"])
+    loc = local_kernel(*args, mask_name, scale, allowed)
+    errors = {q: rel_error(loc[q], ref[q]) for q in QUANTITIES}
+    if mask_name in ("causal", "full"):
+        return errors
+    fast = "causal" if not bool(allowed.triu(1).any()) else "full"
+    fast_allowed = dense_mask(fast, allowed.shape[0])
+    fast_ref = reference(*args, fast_allowed, scale)
+    fast_loc = local_kernel(*args, fast, scale)
+    return {q: max(errors[q], rel_error(fast_loc[q], fast_ref[q])) for q in QUANTITIES}
 
 
 def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -124,6 +240,7 @@ def rank_case(**fields) -> dict:
 
     from .api import ContextParallel
     from .cost import Topology
+    from .masks import from_spec
     from .schedules.base import Shape
 
     case = Case(**fields)
@@ -134,15 +251,25 @@ def rank_case(**fields) -> dict:
             return {"member": False}
     x = make_inputs(case)
     topology = Topology(*case.topology) if case.topology is not None else None
-    cp = ContextParallel(case.seq, case.mask, case.schedule, group=group, backend=case.backend, topology=topology)
-    q, k, v = (cp.shard(x[n]).requires_grad_() for n in ("q", "k", "v"))
+    cp = ContextParallel(case.seq, from_spec(case.mask_spec), case.schedule, group=group, backend=case.backend,
+                         topology=topology, layout=case.layout)
+    pad = cp.positions() < 0
+    noise = torch.Generator().manual_seed(10_000 + 100 * case.seed + cp.rank)
+
+    def local(name: str) -> torch.Tensor:
+        """This rank's tokens; padding rows hold random values, which must not matter."""
+        t = cp.shard(x[name])
+        t[:, pad] = torch.randn(t[:, pad].shape, generator=noise, dtype=torch.float64).to(t.dtype)
+        return t
+
+    q, k, v = (local(n).requires_grad_() for n in ("q", "k", "v"))
     cp.reset_comm_stats()
     out, lse = cp.attention(q, k, v, return_lse=True)
     fwd = cp.comm_stats()
     cp.reset_comm_stats()
-    out.backward(cp.shard(x["dout"]))
+    out.backward(local("dout"))
     bwd = cp.comm_stats()
-    expected = cp.schedule.volume(Shape.of(q, k, cp.world_size), cp.rank)
+    expected = cp.schedule.volume(Shape.of(q, k, cp.world_size, topology), cp.rank)
     return {"member": True, "rank": cp.rank, "positions": _np(cp.positions()), "out": _np(out),
             "lse": _np(lse), "dq": _np(q.grad), "dk": _np(k.grad), "dv": _np(v.grad),
             "measured": {"forward": fwd, "backward": bwd}, "expected": expected}
@@ -155,12 +282,13 @@ class CaseResult:
     errors: dict[str, float] = field(default_factory=dict)
     tolerances: dict[str, float] = field(default_factory=dict)
     comm_mismatches: list[str] = field(default_factory=list)
+    exact_violations: list[str] = field(default_factory=list)  # padding / empty rows not exactly 0, -inf
     failure: str | None = None  # an exception on a rank, a timeout
 
     @property
     def passed(self) -> bool:
-        return (self.failure is None and not self.comm_mismatches and bool(self.errors)
-                and all(self.errors[q] <= self.tolerances[q] for q in QUANTITIES))
+        return (self.failure is None and not self.comm_mismatches and not self.exact_violations
+                and bool(self.errors) and all(self.errors[q] <= self.tolerances[q] for q in QUANTITIES))
 
     def describe(self) -> str:
         parts = [self.case.label]
@@ -171,21 +299,45 @@ class CaseResult:
                 flag = "" if self.errors[q] <= self.tolerances[q] else " (over)"
                 parts.append(f"{q} {self.errors[q]:.2e}/{self.tolerances[q]:.2e}{flag}")
         parts.extend(self.comm_mismatches)
+        parts.extend(self.exact_violations)
         return "; ".join(parts)
 
     def as_dict(self) -> dict:
         return {"case": asdict(self.case), "passed": self.passed, "errors": self.errors,
-                "tolerances": self.tolerances, "comm_mismatches": self.comm_mismatches, "failure": self.failure}
+                "tolerances": self.tolerances, "comm_mismatches": self.comm_mismatches,
+                "exact_violations": self.exact_violations, "failure": self.failure}
 
 
 def _assemble(results: list[dict], name: str, seq_dim: int) -> torch.Tensor:
+    """The full tensor from every rank's real (non-padding) rows."""
     first = torch.from_numpy(results[0][name])
     shape = list(first.shape)
-    shape[seq_dim] = sum(len(r["positions"]) for r in results)
+    shape[seq_dim] = sum(int((r["positions"] >= 0).sum()) for r in results)
     full = torch.full(shape, float("nan"), dtype=torch.float64)
     for r in results:
-        full.index_copy_(seq_dim, torch.from_numpy(r["positions"]), torch.from_numpy(r[name]))
+        pos = torch.from_numpy(r["positions"])
+        real = (pos >= 0).nonzero().flatten()
+        full.index_copy_(seq_dim, pos[real], torch.from_numpy(r[name]).index_select(seq_dim, real))
     return full
+
+
+def _exact_checks(members: list[dict], got: dict[str, torch.Tensor], allowed: torch.Tensor) -> list[str]:
+    """Padding rows, rows that attend nothing and keys nobody attends must be exactly 0 (lse -inf)."""
+    bad = []
+    for r in members:
+        pad = torch.from_numpy(r["positions"]) < 0
+        if not bool(pad.any()):
+            continue
+        for q in ("out", "dq", "dk", "dv"):
+            if not bool((torch.from_numpy(r[q])[:, pad] == 0).all()):
+                bad.append(f"rank {r['rank']}: padding rows of {q} are not 0")
+        if not bool(torch.isneginf(torch.from_numpy(r["lse"])[:, :, pad]).all()):
+            bad.append(f"rank {r['rank']}: padding rows of lse are not -inf")
+    empty_rows, dead_keys = ~allowed.any(1), ~allowed.any(0)
+    for q, idx in (("out", empty_rows), ("dq", empty_rows), ("dk", dead_keys), ("dv", dead_keys)):
+        if not bool((got[q][:, idx] == 0).all()):
+            bad.append(f"{q} is not 0 where the mask allows nothing")
+    return bad
 
 
 def _compare_comm(results: list[dict]) -> list[str]:
@@ -214,14 +366,16 @@ def check(case: Case, per_rank: list) -> CaseResult:
     members = sorted((r for r in per_rank if r["member"]), key=lambda r: r["rank"])
     x = make_inputs(case)
     scale = kernels.default_scale(case.head_dim)
-    ref = reference(x["q"], x["k"], x["v"], x["dout"], dense_mask(case.mask, case.seq), scale)
-    loc = local_kernel(x["q"], x["k"], x["v"], x["dout"], case.mask, scale)
+    allowed = dense_mask(case.mask, case.seq, case.mask_args)
+    ref = reference(x["q"], x["k"], x["v"], x["dout"], allowed, scale)
+    e_local = local_errors(x, case.mask, scale, allowed, ref)
+    got = {}
     for q in QUANTITIES:
-        seq_dim = 2 if q == "lse" else 1
-        got = _assemble(members, q, seq_dim)
-        res.errors[q] = rel_error(got, ref[q])
-        res.tolerances[q] = 2 * rel_error(loc[q], ref[q]) + 1e-6
+        got[q] = _assemble(members, q, 2 if q == "lse" else 1)
+        res.errors[q] = rel_error(got[q], ref[q])
+        res.tolerances[q] = 2 * e_local[q] + 1e-6
     res.comm_mismatches = _compare_comm(members)
+    res.exact_violations = _exact_checks(members, got, allowed)
     return res
 
 
@@ -237,25 +391,33 @@ def run(world, case: Case, timeout: float = 120.0) -> CaseResult:
 
 
 def matrix(schedules: list[str], worlds: tuple[int, ...] = (1, 2, 3, 4), subgroup: bool = True,
-           masks: tuple[str, ...] = ("causal", "full"), dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-           heads: tuple[tuple[int, int], ...] = ((4, 4), (8, 2)), seed: int = 0) -> list[Case]:
+           masks: tuple = ("causal", "full"), dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+           heads: tuple[tuple[int, int], ...] = ((4, 4), (8, 2)), seed: int = 0, seq: int = 48) -> list[Case]:
     """The exactness matrix: schedules x world sizes (+ a 2-rank subgroup of a 4-rank world) x masks x
-    dtypes x (heads, kv_heads); each case gets its own seed."""
+    dtypes x (heads, kv_heads); each case gets its own seed. A mask is a kind name (any of
+    ``cpattn.masks.KINDS``; arguments from :func:`example_mask_args`) or a ``(kind, args)`` pair.
+    Combinations a schedule rejects (mask or heads) are left out."""
     from . import schedules as registry
-    from .masks import resolve
+    from .masks import from_spec
 
     cases = []
     places = [(w, None) for w in worlds] + ([(4, (1, 3))] if subgroup else [])
+    specs = [(m, example_mask_args(m, seq)) if isinstance(m, str) else (m[0], m[1]) for m in masks]
     for name in schedules:
         sched = registry.get(name)
         for world, group in places:
-            for mask in masks:
+            for kind, args in specs:
                 try:
-                    sched.check_mask(resolve(mask))
+                    sched.check_mask(from_spec({"kind": kind, **(args or {})}))
                 except (ValueError, NotImplementedError):
                     continue  # the schedule rejects this mask (tested separately)
                 for dtype in dtypes:
                     for h, hkv in heads:
-                        cases.append(Case(name, world, mask, dtype, heads=h, kv_heads=hkv,
-                                          seed=seed + len(cases), group=group))
+                        p = world if group is None else len(group)
+                        try:
+                            sched.check_shape(torch.empty(1, 1, h, 1), torch.empty(1, 1, hkv, 1), p)
+                        except ValueError:
+                            continue  # e.g. Ulysses with heads not divisible by the world size
+                        cases.append(Case(name, world, kind, dtype, seq=seq, heads=h, kv_heads=hkv,
+                                          seed=seed + len(cases), group=group, mask_args=args))
     return cases

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from cpattn.comm import POISON_ENV
 from cpattn.launcher import LocalWorld
+from cpattn.planner.plan import CACHE_ENV
+
+# plans built by tests go to a throw-away cache, never the user's (workers inherit the environment)
+_CACHE = tempfile.mkdtemp(prefix="cpattn-test-plans-")
+os.environ[CACHE_ENV] = _CACHE
 
 
 class Worlds:
@@ -17,7 +25,7 @@ class Worlds:
     def get(self, size: int) -> LocalWorld:
         w = self._worlds.get(size)
         if w is None or not w.alive:
-            w = LocalWorld(size, threads=1, env={POISON_ENV: "1"})
+            w = LocalWorld(size, threads=1, env={POISON_ENV: "1", CACHE_ENV: _CACHE})
             self._worlds[size] = w
         return w
 

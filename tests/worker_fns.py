@@ -30,7 +30,11 @@ def raise_on(rank: int) -> int:
 
 
 BAD_INPUTS = {
-    "seq_not_divisible": "seq_len",
+    "seq_not_positive": "seq_len",
+    "ulysses_heads": "degrees <= 3 that divide 4",
+    "mask_not_supported": "supports masks",
+    "layout_not_supported": "runs only on its own",
+    "document_lengths": "document lengths sum to",
     "heads_not_divisible": "multiple of key/value heads",
     "dtype_mismatch": "dtypes differ",
     "shape_mismatch": "k and v shapes differ",
@@ -52,8 +56,16 @@ def bad_input(problem: str, schedule: str = "ring") -> dict:
     p = dist.get_world_size()
     seq = 8 * p
     kwargs = {"seq_len": seq, "mask": "causal", "schedule": schedule}
-    if problem == "seq_not_divisible":
-        kwargs["seq_len"] = 8 * p + 1
+    if problem == "seq_not_positive":
+        kwargs["seq_len"] = 0
+    if problem == "ulysses_heads":
+        kwargs["schedule"] = "ulysses"
+    if problem == "mask_not_supported":
+        kwargs.update(schedule="stripe_ring", mask=cpattn.masks.sliding_window(4))
+    if problem == "layout_not_supported":
+        kwargs.update(schedule="stripe_ring", layout="balanced")
+    if problem == "document_lengths":
+        kwargs["mask"] = cpattn.masks.document([3, seq])
     if problem == "unknown_schedule":
         kwargs["schedule"] = "tree"
     if problem == "unknown_mask":

@@ -1,5 +1,24 @@
-"""Cost model: topologies (and, later, device models, estimates and the simulator)."""
+"""Cost model: topologies, devices, collectives, schedule estimates and a task-graph simulator.
 
-from .topology import Topology
+Everything here is pure data in, data out (no process group): ``estimate(schedule, problem,
+topology)`` predicts one schedule from its own ``steps`` declaration; ``rank_schedules`` / ``choose``
+power ``schedule="auto"``; ``simulate`` runs UltraAttn-style task graphs on per-device lanes;
+``presets.preset(name, world)`` builds Frontier, DGX H100, DGX A100 or the calibrated ``local`` machine.
+Calibration (``cpattn.cost.calibrate``) is the only part that runs processes.
+"""
 
-__all__ = ["Topology"]
+from . import presets
+from .collectives import op_time
+from .device import Device, RatePoint
+from .estimate import Estimate, check_supports, choose, declares_steps, estimate, rank_schedules
+from .pairs import PairWork, pair_work
+from .presets import preset
+from .profile import Profile, ProfileError
+from .simulator import Task, Timeline, lane, simulate, transfer
+from .steps import CommOp, Kernel, Problem, Step, Work, distribution, work
+from .topology import Link, Topology
+
+__all__ = ["CommOp", "Device", "Estimate", "Kernel", "Link", "PairWork", "Problem", "Profile", "ProfileError",
+           "RatePoint", "Step", "Task", "Timeline", "Topology", "Work", "check_supports", "choose", "declares_steps",
+           "distribution", "estimate", "lane", "op_time", "pair_work", "preset", "presets", "rank_schedules",
+           "simulate", "transfer", "work"]

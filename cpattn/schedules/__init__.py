@@ -14,6 +14,9 @@ from .ringx2 import RingX2, RingX2o
 from .ringx3 import RingX3, RingX3b
 from .ringx4 import RingX4, RingX4o
 from .stripe_ring import StripeRingSchedule
+from .ultra import UltraSchedule
+from .ulysses import UlyssesSchedule
+from .usp import USPSchedule
 from .zigzag_ring import ZigzagRingSchedule
 
 _REGISTRY: dict[str, Schedule] = {}
@@ -27,7 +30,8 @@ def register(schedule: Schedule) -> Schedule:
 
 
 for _cls in (RingSchedule, ZigzagRingSchedule, StripeRingSchedule, AllGatherSchedule,
-             RingX1, RingX1o, RingX2, RingX2o, RingX3, RingX3b, RingX4, RingX4o):
+             RingX1, RingX1o, RingX2, RingX2o, RingX3, RingX3b, RingX4, RingX4o, UltraSchedule,
+             UlyssesSchedule, USPSchedule):
     register(_cls())
 
 
@@ -42,7 +46,10 @@ def get(name: str) -> Schedule:
 
 
 def available() -> list[dict]:
-    """One row per schedule: name, layout, masks, causal, bidirectional, gqa, memory, summary."""
+    """One row per schedule: name, layout, masks, causal, bidirectional, gqa, memory, summary, and
+    custom_layout (whether ``ContextParallel(layout=...)``, e.g. "balanced", may replace its layout).
+    ``masks`` is "any" or the mask names it accepts; causal-only / bidirectional-only schedules
+    accept only masks with / without ``is_causal``."""
     rows = []
     causal_layout, full_layout = (lambda s: s.layout_for(causal())), (lambda s: s.layout_for(full()))
     for s in _REGISTRY.values():
@@ -56,6 +63,7 @@ def available() -> list[dict]:
             "gqa": True,
             "memory": s.memory,
             "summary": s.summary,
+            "custom_layout": s.custom_layout,
         })
     return rows
 

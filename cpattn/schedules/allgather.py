@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cost.steps import CommOp, Problem, Step
 from ..kernels import acc_dtype
 from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
 
@@ -22,6 +23,7 @@ class AllGatherSchedule(Schedule):
     name = "allgather"
     layout = "contiguous"  # "zigzag" when the mask is causal: see layout_for
     masks = "any"
+    custom_layout = True
     memory = "O(global kv)"
     summary = "all-gather kv, reduce-scatter dk/dv"
     #: run the two collectives in two levels (rails, then node) when the runtime has a topology
@@ -72,3 +74,16 @@ class AllGatherSchedule(Schedule):
             "forward": {"all_gather": op_volume(1, kv, kv)},
             "backward": {"all_gather": op_volume(1, kv, kv), "reduce_scatter": op_volume(1, dkv, dkv)},
         }
+
+    def steps(self, problem: Problem, phase: str) -> list[Step]:
+        """The local diagonal overlaps the all-gather; then each rank attends every other rank's kv
+        (no wait until the end); backward ends with the reduce-scatter, after all compute."""
+        p, shape, pairs = problem.world, Shape.of_problem(problem), self.pairs(problem)
+        gather = (CommOp("all_gather", shape.kv_bytes, hierarchical=self.hierarchical),)
+        live = (p + 1) * shape.kv_bytes + shape.acc_bytes  # stacked and gathered kv, accumulators
+        if phase == "forward":
+            return [Step(pairs.by_offset(0), gather, live_bytes=live), Step(pairs.remote_rows(), live_bytes=live)]
+        live += (p + 1) * shape.dkv_bytes  # per-source dk/dv and the reduce-scatter output
+        return [Step(pairs.by_offset(0), gather, live_bytes=live), Step(pairs.remote_rows(), live_bytes=live),
+                Step((), (CommOp("reduce_scatter", shape.dkv_bytes, hierarchical=self.hierarchical),), overlap=False,
+                     live_bytes=live)]

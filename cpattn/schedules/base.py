@@ -14,6 +14,8 @@ import torch
 from .. import blocks as blocks_mod
 from .. import kernels
 from ..comm import Communicator
+from ..cost.pairs import PairWork, pair_work
+from ..cost.steps import Problem, Step
 from ..cost.topology import Topology
 from ..kernels import acc_dtype
 from ..layout import Layout
@@ -33,6 +35,7 @@ class Shape:
     elem: int
     acc_elem: int  # bytes per element of float32 (or float64) accumulators
     world: int
+    topology: Topology | None = None  # where the ranks run, for schedules whose traffic depends on it
 
     @property
     def kv_bytes(self) -> int:
@@ -44,11 +47,22 @@ class Shape:
         """dk and dv of one rank, packed, in the accumulation dtype."""
         return 2 * self.batch * self.local_len * self.kv_heads * self.head_dim * self.acc_elem
 
+    @property
+    def acc_bytes(self) -> int:
+        """The output (or dq) accumulator and the lse of one rank's queries, in the accumulation dtype."""
+        return self.batch * self.local_len * self.heads * (self.head_dim + 1) * self.acc_elem
+
     @staticmethod
-    def of(q: torch.Tensor, k: torch.Tensor, world: int) -> Shape:
+    def of_problem(problem: Problem) -> Shape:
+        """The per-rank shape of a cost-model :class:`~cpattn.cost.steps.Problem`."""
+        return Shape(problem.batch, problem.local_len, problem.heads, problem.kv_heads, problem.head_dim,
+                     problem.elem, problem.acc_elem, problem.world)
+
+    @staticmethod
+    def of(q: torch.Tensor, k: torch.Tensor, world: int, topology: Topology | None = None) -> Shape:
         b, s, h, d = q.shape
         return Shape(b, s, h, k.shape[2], d, q.element_size(),
-                     torch.empty((), dtype=acc_dtype(q.dtype)).element_size(), world)
+                     torch.empty((), dtype=acc_dtype(q.dtype)).element_size(), world, topology)
 
 
 Volume = dict[str, dict[str, dict[str, int]]]  # phase -> op -> {"calls", "bytes_sent", "bytes_recv"}
@@ -69,6 +83,7 @@ class Runtime:
     scale: float = 1.0
     backend: str = "auto"
     topology: Topology | None = None  # nodes x devices per node, when the schedule should use it
+    valid_len: int | None = None  # positions >= valid_len are padding (never attend, never attended)
     _blocks: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -79,12 +94,13 @@ class Runtime:
     def world(self) -> int:
         return self.comm.world_size
 
-    def blocks(self, q_rank: int, kv_ranks: list[int]) -> list[blocks_mod.Block]:
-        """Cached block list of ``q_rank``'s queries against ``kv_ranks``' keys (in that order)."""
-        key = (q_rank, tuple(kv_ranks))
+    def blocks(self, q_rank: int | list[int], kv_ranks: list[int]) -> list[blocks_mod.Block]:
+        """Cached block list of the queries of ``q_rank`` (a rank, or several concatenated in that
+        order) against ``kv_ranks``' keys (concatenated in that order); padding is never covered."""
+        key = (q_rank if isinstance(q_rank, int) else tuple(q_rank), tuple(kv_ranks))
         if key not in self._blocks:
             self._blocks[key] = blocks_mod.for_ranks(self.mask, self.layout, self.seq_len, self.world,
-                                                     q_rank, list(kv_ranks))
+                                                     q_rank, list(kv_ranks), self.valid_len)
         return self._blocks[key]
 
 
@@ -98,6 +114,8 @@ class Schedule:
     causal: bool = True  # accepts masks with is_causal
     bidirectional: bool = True  # accepts masks without is_causal
     memory: str = "O(local)"
+    #: runs on any range layout (``ContextParallel(layout=...)``, e.g. "balanced"), not only its own
+    custom_layout: bool = False
     summary: str = ""
 
     def layout_for(self, mask: Mask) -> str:
@@ -121,7 +139,9 @@ class Schedule:
 
     def forward(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``."""
+        """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``.
+        A schedule may return a third element, a tuple of tensors that autograd keeps and hands to its
+        ``backward`` as ``saved=`` (e.g. Ulysses keeps its head-split tensors)."""
         raise NotImplementedError
 
     def backward(self, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -132,6 +152,18 @@ class Schedule:
     def volume(self, shape: Shape, rank: int) -> Volume:
         """Analytic bytes and calls per op on ``rank``, per phase ("forward", "backward")."""
         raise NotImplementedError
+
+    def steps(self, problem: Problem, phase: str) -> list[Step]:
+        """What one rank does in ``phase`` ("forward" or "backward"), step by step, for the cost model
+        (``cpattn.cost.steps``): per step, the kernel calls of each rank, the communication ops issued
+        with their bytes (summing, over steps, to :meth:`volume`), whether they overlap the compute, and
+        the buffers alive. Schedules that do not implement it cannot be estimated or chosen by "auto"."""
+        raise NotImplementedError(f"schedule {self.name!r} does not implement steps(problem, phase)")
+
+    def pairs(self, problem: Problem) -> PairWork:
+        """The kernel calls of every (query rank, key rank) pair of ``problem`` in this schedule's layout,
+        for :meth:`steps` (closed forms where they exist, else the run-time block lists)."""
+        return pair_work(problem.mask, Layout(self.layout_for(problem.mask)), problem.seq_len, problem.world)
 
 
 def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,16 +204,17 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, schedule: Schedule, rt: Runtime):  # noqa: D401
-        out, lse = schedule.forward(rt, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.schedule, ctx.rt = schedule, rt
+        out, lse, *saved = schedule.forward(rt, q, k, v)  # a schedule may return tensors for its backward
+        ctx.save_for_backward(q, k, v, out, lse, *(saved[0] if saved else ()))
+        ctx.schedule, ctx.rt, ctx.has_saved = schedule, rt, bool(saved)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.schedule.backward(ctx.rt, dout.contiguous(), q, k, v, out, lse)
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        extra = {"saved": tuple(saved)} if ctx.has_saved else {}
+        dq, dk, dv = ctx.schedule.backward(ctx.rt, dout.contiguous(), q, k, v, out, lse, **extra)
         return dq, dk, dv, None, None
 
 

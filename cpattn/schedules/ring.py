@@ -9,73 +9,124 @@ its contribution, and after P hops it is home. The incoming accumulator is waite
 step's block gradients are computed, so its transfer overlaps compute too. dq stays local.
 
 Per rank (P > 1): forward sends and receives (P-1) packed kv; backward (P-1) packed kv plus P float32
-dk/dv accumulators.
+dk/dv accumulators. ``ring_forward`` / ``ring_backward`` run the same ring over any list of ranks
+(``usp`` runs it across its Ulysses groups). Any range layout works (``custom_layout``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ..blocks import Block
+from ..cost.steps import CommOp, Problem, Step
 from ..kernels import acc_dtype
 from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
 
 TAG_KV, TAG_DKV = 0, 1
 
 
+def ring_forward(rt: Runtime, q: torch.Tensor, kv: torch.Tensor, ring: list[int],
+                 blocks_of: Callable[[int], list[Block]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward ring over the group ranks ``ring`` (this rank among them): packed ``kv [2, b, s, h_kv,
+    d]`` moves one place along the ring per step; at step t this rank attends ``q`` to the kv that
+    started t places behind it, with blocks ``blocks_of(t)``. Returns the float32 (out, lse)
+    accumulators."""
+    comm, n, i = rt.comm, len(ring), ring.index(rt.rank)
+    nxt_rank, prv_rank = ring[(i + 1) % n], ring[(i - 1) % n]
+    out_acc, lse_acc = new_accumulators(q)
+    cur = kv  # one message per step
+    for t in range(n):
+        if t < n - 1:
+            nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
+            handle = comm.send_recv([(cur, nxt_rank)], [(nxt, prv_rank)], tag=TAG_KV)
+        attend(rt, q, cur[0], cur[1], blocks_of(t), out_acc, lse_acc)
+        if t < n - 1:
+            handle.wait()
+            cur = nxt
+    return out_acc, lse_acc
+
+
+def ring_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, ring: list[int], blocks_of: Callable[[int], list[Block]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward ring matching :func:`ring_forward`; returns float32 ``dq`` and this rank's packed
+    ``dkv [2, b, s, h_kv, d]`` (home after a full turn)."""
+    comm, n, i = rt.comm, len(ring), ring.index(rt.rank)
+    nxt_rank, prv_rank = ring[(i + 1) % n], ring[(i - 1) % n]
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    cur = kv
+    incoming = None  # (handle, buffer) of the dk/dv accumulator arriving from the previous rank
+    for t in range(n):
+        if t < n - 1:
+            nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
+            kv_handle = comm.send_recv([(cur, nxt_rank)], [(nxt, prv_rank)], tag=TAG_KV)
+        local = torch.zeros(cur.shape, dtype=dq.dtype, device=q.device)
+        attend_backward(rt, dout, q, cur[0], cur[1], out, lse, blocks_of(t), dq, local[0], local[1])
+        if incoming is not None:
+            incoming[0].wait()
+            local += incoming[1]
+        if n > 1:
+            buf = comm.new_buffer(local.shape, local.dtype, local.device)
+            incoming = (comm.send_recv([(local, nxt_rank)], [(buf, prv_rank)], tag=TAG_DKV), buf)
+        if t < n - 1:
+            kv_handle.wait()
+            cur = nxt
+    if incoming is not None:
+        incoming[0].wait()
+        local = incoming[1]
+    return dq, local
+
+
+def ring_volume(n: int, kv_bytes: int, dkv_bytes: int) -> Volume:
+    """Per-rank traffic of :func:`ring_forward` / :func:`ring_backward` on a ring of ``n`` ranks
+    carrying ``kv_bytes`` of packed kv and ``dkv_bytes`` of packed float32 dk/dv."""
+    if n == 1:
+        return {"forward": {}, "backward": {}}
+    kv, dkv = kv_bytes, dkv_bytes
+    return {
+        "forward": {"send": op_volume(n - 1, (n - 1) * kv, 0), "recv": op_volume(n - 1, 0, (n - 1) * kv)},
+        "backward": {"send": op_volume(2 * n - 1, (n - 1) * kv + n * dkv, 0),
+                     "recv": op_volume(2 * n - 1, 0, (n - 1) * kv + n * dkv)},
+    }
+
+
 class RingSchedule(Schedule):
     name = "ring"
     layout = "contiguous"
     masks = "any"
+    custom_layout = True
     memory = "O(local), 2 kv buffers"
     summary = "p2p ring of kv blocks; dk/dv travel with their kv"
 
     def forward(self, rt: Runtime, q, k, v):
-        comm, p, r = rt.comm, rt.world, rt.rank
-        out_acc, lse_acc = new_accumulators(q)
-        cur = torch.stack([k, v])  # one message per step: [2, b, s, h_kv, d]
-        for t in range(p):
-            if t < p - 1:
-                nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
-                handle = comm.send_recv([(cur, (r + 1) % p)], [(nxt, (r - 1) % p)], tag=TAG_KV)
-            attend(rt, q, cur[0], cur[1], rt.blocks(r, [(r - t) % p]), out_acc, lse_acc)
-            if t < p - 1:
-                handle.wait()
-                cur = nxt
+        p, r = rt.world, rt.rank
+        out_acc, lse_acc = ring_forward(rt, q, torch.stack([k, v]), list(range(p)),
+                                        lambda t: rt.blocks(r, [(r - t) % p]))
         return out_acc.to(q.dtype), lse_acc
 
     def backward(self, rt: Runtime, dout, q, k, v, out, lse):
-        comm, p, r = rt.comm, rt.world, rt.rank
-        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-        cur = torch.stack([k, v])
-        incoming = None  # (handle, buffer) of the dk/dv accumulator arriving from r - 1
-        for t in range(p):
-            if t < p - 1:
-                nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
-                kv_handle = comm.send_recv([(cur, (r + 1) % p)], [(nxt, (r - 1) % p)], tag=TAG_KV)
-            local = torch.zeros(cur.shape, dtype=dq.dtype, device=q.device)
-            attend_backward(rt, dout, q, cur[0], cur[1], out, lse, rt.blocks(r, [(r - t) % p]),
-                            dq, local[0], local[1])
-            if incoming is not None:
-                incoming[0].wait()
-                local += incoming[1]
-            if p > 1:
-                buf = comm.new_buffer(local.shape, local.dtype, local.device)
-                incoming = (comm.send_recv([(local, (r + 1) % p)], [(buf, (r - 1) % p)], tag=TAG_DKV), buf)
-            if t < p - 1:
-                kv_handle.wait()
-                cur = nxt
-        if incoming is not None:
-            incoming[0].wait()
-            local = incoming[1]
-        return dq.to(q.dtype), local[0].to(k.dtype), local[1].to(v.dtype)
+        p, r = rt.world, rt.rank
+        dq, dkv = ring_backward(rt, dout, q, torch.stack([k, v]), out, lse, list(range(p)),
+                                lambda t: rt.blocks(r, [(r - t) % p]))
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
     def volume(self, shape: Shape, rank: int) -> Volume:
-        p = shape.world
-        if p == 1:
-            return {"forward": {}, "backward": {}}
-        kv, dkv = shape.kv_bytes, shape.dkv_bytes
-        return {
-            "forward": {"send": op_volume(p - 1, (p - 1) * kv, 0), "recv": op_volume(p - 1, 0, (p - 1) * kv)},
-            "backward": {"send": op_volume(2 * p - 1, (p - 1) * kv + p * dkv, 0),
-                         "recv": op_volume(2 * p - 1, 0, (p - 1) * kv + p * dkv)},
-        }
+        return ring_volume(shape.world, shape.kv_bytes, shape.dkv_bytes)
+
+    def steps(self, problem: Problem, phase: str) -> list[Step]:
+        """Step t attends the kv of rank r - t while the next kv travels. Backward, the dk/dv
+        accumulator sent after step t's compute travels during step t+1; the last one lands after
+        the loop (a step with nothing to overlap)."""
+        p, shape, pairs = problem.world, Shape.of_problem(problem), self.pairs(problem)
+        kv, dkv = CommOp("sendrecv", shape.kv_bytes), CommOp("sendrecv", shape.dkv_bytes)
+        if phase == "forward":
+            live = 2 * shape.kv_bytes + shape.acc_bytes  # current and next kv, output accumulators
+            return [Step(pairs.by_offset(t), (kv,) if t < p - 1 else (), live_bytes=live) for t in range(p)]
+        live = 2 * shape.kv_bytes + 2 * shape.dkv_bytes + shape.acc_bytes  # + outgoing and incoming dk/dv
+        steps = [Step(pairs.by_offset(t), ((kv,) if t < p - 1 else ()) + ((dkv,) if t > 0 else ()), live_bytes=live)
+                 for t in range(p)]
+        if p > 1:
+            steps.append(Step((), (dkv,), overlap=False, live_bytes=live))
+        return steps

@@ -24,11 +24,27 @@ dk/dv: forward P broadcasts (send Q once, receive (P-1) Q), P all-reduces of R (
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from ..cost.steps import CommOp, Problem, Step, Work, distribution
 from ..kernels import acc_dtype
 from ..merge import start_distributed_merge
 from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
+
+#: per owner i, the kernel calls of every rank in i's step: ``((Work, ranks), ...)``
+OwnerWork = Callable[[int], tuple[tuple[Work, int], ...]]
+#: per owner i, communication ops of i's step
+OwnerOps = Callable[[int], tuple[CommOp, ...]]
+
+
+def merge_bytes(shape: Shape) -> tuple[int, int, int]:
+    """Bytes of the local queries (input dtype), and of the numerator ``[b, s, h, d]`` and the
+    denominator ``[b, s, h, 1]`` of a distributed merge (accumulation dtype; the lse maximum is the
+    denominator's size)."""
+    rows = shape.batch * shape.local_len * shape.heads
+    return rows * shape.head_dim * shape.elem, rows * shape.head_dim * shape.acc_elem, rows * shape.acc_elem
 
 
 class RingX1(Schedule):
@@ -143,14 +159,74 @@ class RingX1(Schedule):
         forward = {}
         if owners:
             p, n, mine = shape.world, len(owners), int(rank in owners)
-            rows = shape.batch * shape.local_len * shape.heads
-            q_bytes = rows * shape.head_dim * shape.elem
-            num, den = rows * shape.head_dim * shape.acc_elem, rows * shape.acc_elem
+            q_bytes, num, den = merge_bytes(shape)
             all_reduce = 2 * (p - 1) * den // p  # the lse maximum: one float32 per row
             forward = {"broadcast": op_volume(n, mine * q_bytes, (n - mine) * q_bytes),
                        "all_reduce": op_volume(n, n * all_reduce, n * all_reduce),
                        "reduce": op_volume(2 * n, (n - mine) * (num + den), mine * (num + den))}
         return {"forward": forward, "backward": self._backward_volume(shape, rank)}
+
+    # ------------------------------------------------------------------ cost-model steps
+    def steps(self, problem: Problem, phase: str) -> list[Step]:
+        """Forward, per owner i: broadcast q_i, every rank r computes pair(i, r), then the lse
+        maximum (a blocking all-reduce) and the reduces of the numerator and the denominator onto i.
+        Backward: :meth:`_backward_steps`. Live: the q buffers (two with overlap), the running and the
+        per-step output accumulators, and the merge's numerator, denominator and maximum (those of
+        the previous step too while its reduces are in flight)."""
+        if phase != "forward":
+            return self._backward_steps(problem)
+        shape = Shape.of_problem(problem)
+        q, num, den = merge_bytes(shape)
+        live = (1 + self.overlap) * (q + num + 2 * den) + 2 * shape.acc_bytes
+        return self._owner_steps(problem, phase, q, self.pairs(problem).by_q_rank,
+                                 lambda i: (CommOp("all_reduce", den),),
+                                 lambda i: (CommOp("reduce", num, root=i), CommOp("reduce", den, root=i)), live)
+
+    def _backward_steps(self, problem: Problem) -> list[Step]:
+        """Per owner i: broadcast the packed kv_i, every rank r computes pair(r, i), reduce the float32
+        dk_i/dv_i onto i. Live: the stacked local kv and the kv buffers (two with overlap), dq, the
+        dk/dv result and the step's dk_i/dv_i (and the previous step's while its reduce is in flight)."""
+        shape = Shape.of_problem(problem)
+        kv, dkv = shape.kv_bytes, shape.dkv_bytes
+        live = (2 + self.overlap) * kv + shape.acc_bytes + (2 + self.overlap) * dkv
+        return self._owner_steps(problem, "backward", kv, self.pairs(problem).by_kv_rank, lambda i: (),
+                                 lambda i: (CommOp("reduce", dkv, root=i),), live)
+
+    def _owner_steps(self, problem: Problem, phase: str, payload: int, work_of: OwnerWork, after: OwnerOps,
+                     land: OwnerOps, live: int) -> list[Step]:
+        """The steps of ``phase``, as :meth:`forward` / :meth:`backward` run them. Ranks owning a step
+        nobody shares first compute their own diagonal, before any communication. Then, per owner i:
+        the broadcast of ``payload`` bytes from i, the compute ``work_of(i)``, the blocking ops
+        ``after(i)`` and the asynchronous ops ``land(i)``. Without overlap each owner's step runs
+        all of these one after the other. With overlap the first broadcast runs alone; owner n's
+        compute hides the broadcast of owner n+1 and the ``land`` ops of owner n-1, which are waited
+        right after it; ``after`` follows the compute; the last ``land`` ops run after the loop.
+        ``live``: bytes alive in every step."""
+        p, pairs = problem.world, self.pairs(problem)
+        owners = self._owners(p, phase)
+        shared = set(owners)
+        steps = []
+        if len(shared) < p:
+            local = distribution(() if r in shared else pairs.pair(r, r) for r in range(p))
+            steps.append(Step(local, live_bytes=live))
+        if not owners:
+            return steps
+
+        def bcast(i: int) -> tuple[CommOp, ...]:
+            return (CommOp("broadcast", payload, root=i),)
+
+        if not self.overlap:
+            return steps + [Step(work_of(i), bcast(i) + after(i) + land(i), overlap=False, live_bytes=live)
+                            for i in owners]
+        steps.append(Step((), bcast(owners[0]), overlap=False, live_bytes=live))
+        for n, i in enumerate(owners):
+            in_flight = (bcast(owners[n + 1]) if n + 1 < len(owners) else ()) + (land(owners[n - 1]) if n else ())
+            steps.append(Step(work_of(i), in_flight, live_bytes=live))
+            if after(i):
+                steps.append(Step((), after(i), overlap=False, live_bytes=live))
+        if land(owners[-1]):
+            steps.append(Step((), land(owners[-1]), overlap=False, live_bytes=live))
+        return steps
 
 
 class RingX1o(RingX1):

@@ -1,0 +1,262 @@
+"""``cpattn calibrate``: measure this machine and build a :class:`~cpattn.cost.profile.Profile`.
+
+Runs on a local gloo world (2 ranks by default, sharing the cores as ``cpattn bench`` does):
+
+- local kernels (``cpattn.kernels`` forward and backward; FULL, CAUSAL and PARTIAL blocks) at a few
+  square block sizes, on every rank at once, giving FLOP/s versus block size;
+- the merge epilogue, giving an effective memory bandwidth (bytes/s);
+- every communication op at a few message sizes (``sendrecv``, all-gather, reduce-scatter, broadcast,
+  reduce, all-reduce, all-to-all), each fitted to its cost formula (``cpattn.cost.collectives``) as a
+  per-op link (alpha seconds, bandwidth bytes/s);
+- how much of a transfer hides behind a concurrent kernel (``overlap``).
+
+Times are medians over repetitions of the slowest rank.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from .collectives import op_time
+from .device import RatePoint
+from .profile import Profile
+from .steps import CommOp, Kernel, Problem
+from .topology import Link, Topology
+
+CALIBRATED_OPS = ("sendrecv", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What to measure. ``sizes``: square block sides (tokens) for FULL/CAUSAL kernels;
+    ``partial_sizes``: for PARTIAL ones; ``message_bytes``: message sizes (bytes); ``reps``: timed
+    repetitions per point (after one warm-up). The kernel shape is ``[batch, n, heads, head_dim]``
+    with ``kv_heads`` key/value heads in ``dtype``."""
+
+    sizes: tuple[int, ...] = (256, 512, 1024, 2048)
+    partial_sizes: tuple[int, ...] = (256, 512)
+    message_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
+    reps: int = 3
+    batch: int = 1
+    heads: int = 8
+    kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float32"
+    ranks: int = 2
+
+
+QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), message_bytes=(1 << 12, 1 << 16), reps=1)
+
+
+def _median_time(fn: Callable[[], object], reps: int, barrier: Callable[[], None]) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _comm():
+    from ..comm import Communicator
+
+    return Communicator()
+
+
+def _inputs(s: Settings, n: int):
+    from ..verify import DTYPES
+
+    g = torch.Generator().manual_seed(n)
+    dt = DTYPES[s.dtype]
+    q = torch.randn(s.batch, n, s.heads, s.head_dim, generator=g).to(dt)
+    k = torch.randn(s.batch, n, s.kv_heads, s.head_dim, generator=g).to(dt)
+    v = torch.randn(s.batch, n, s.kv_heads, s.head_dim, generator=g).to(dt)
+    return q, k, v
+
+
+def rank_kernels(settings: dict, kind: str, n: int) -> dict[str, float]:
+    """On every rank: median seconds of one forward and one backward ``kind`` kernel of side ``n``."""
+    from .. import kernels
+    from ..masks import BlockKind
+
+    s = Settings(**settings)
+    comm = _comm()
+    q, k, v = _inputs(s, n)
+    block = BlockKind(kind)
+    mask = None
+    if block == BlockKind.PARTIAL:  # a band: every row attends a window around its diagonal
+        idx = torch.arange(n)
+        mask = (idx[:, None] - idx[None, :]).abs() < max(1, n // 4)
+    scale = kernels.default_scale(s.head_dim)
+    out, lse = kernels.forward(q, k, v, block, scale, mask)
+    out = out.to(q.dtype)
+    dout = torch.randn_like(q)
+    fwd = _median_time(lambda: kernels.forward(q, k, v, block, scale, mask), s.reps, comm.barrier)
+    bwd = _median_time(lambda: kernels.backward(dout, q, k, v, out, lse, block, scale, mask), s.reps, comm.barrier)
+    return {"forward": fwd, "backward": bwd}
+
+
+def rank_merge(settings: dict, n: int) -> float:
+    """On every rank: median seconds of one pairwise merge of ``n`` query rows."""
+    from ..merge import merge_into
+
+    s = Settings(**settings)
+    comm = _comm()
+    g = torch.Generator().manual_seed(1)
+    out = torch.randn(s.batch, n, s.heads, s.head_dim, generator=g)
+    lse = torch.randn(s.batch, s.heads, n, generator=g)
+    o2, l2 = torch.randn_like(out), torch.randn_like(lse)
+    return _median_time(lambda: merge_into(out, lse, o2, l2), s.reps, comm.barrier)
+
+
+def _run_op(comm, op: str, nbytes: int) -> Callable[[], None]:
+    p, r = comm.world_size, comm.rank
+    n = max(1, nbytes // 4)
+    t = torch.randn(n)
+    if op == "sendrecv":
+        buf = torch.empty(n)
+        return lambda: comm.send_recv([(t, (r + 1) % p)], [(buf, (r - 1) % p)]).wait()
+    if op == "all_gather":
+        out = torch.empty(p * n)
+        return lambda: comm.all_gather(out, t)
+    if op == "reduce_scatter":
+        big = torch.randn(p * n)
+        return lambda: comm.reduce_scatter(t, big)
+    if op == "broadcast":
+        return lambda: comm.broadcast(t, src=0)
+    if op == "reduce":
+        return lambda: comm.reduce(t, dst=0)
+    if op == "all_reduce":
+        return lambda: comm.all_reduce(t)
+    big = torch.randn(p * n)
+    out = torch.empty(p * n)
+    return lambda: comm.all_to_all(out, big)
+
+
+def rank_collective(settings: dict, op: str, nbytes: int) -> float:
+    """On every rank: median seconds of ``op`` with a message of ``nbytes`` (see ``CommOp.bytes``)."""
+    s = Settings(**settings)
+    comm = _comm()
+    return _median_time(_run_op(comm, op, nbytes), s.reps, comm.barrier)
+
+
+def rank_overlap(settings: dict, n: int, nbytes: int) -> dict[str, float]:
+    """On every rank: seconds of a forward FULL kernel of side ``n``, of a ``sendrecv`` of ``nbytes``,
+    and of both at once (the transfer issued before the kernel, waited after it)."""
+    from .. import kernels
+    from ..masks import BlockKind
+
+    s = Settings(**settings)
+    comm = _comm()
+    q, k, v = _inputs(s, n)
+    scale = kernels.default_scale(s.head_dim)
+    p, r = comm.world_size, comm.rank
+    t = torch.randn(max(1, nbytes // 4))
+    buf = torch.empty_like(t)
+
+    def kernel() -> None:
+        kernels.forward(q, k, v, BlockKind.FULL, scale)
+
+    def transfer():
+        return comm.send_recv([(t, (r + 1) % p)], [(buf, (r - 1) % p)])
+
+    def both() -> None:
+        handle = transfer()
+        kernel()
+        handle.wait()
+
+    return {"compute": _median_time(kernel, s.reps, comm.barrier),
+            "comm": _median_time(lambda: transfer().wait(), s.reps, comm.barrier),
+            "both": _median_time(both, s.reps, comm.barrier)}
+
+
+def fit_link(op: str, ranks: int, points: list[tuple[int, float]]) -> Link:
+    """Fit ``seconds = a * alpha + x / bandwidth`` to ``(bytes, seconds)`` points, where a and x are
+    what :func:`~cpattn.cost.collectives.op_time` charges ``op`` on ``ranks`` ranks of one node
+    (least squares; alpha >= 0)."""
+    unit_latency = Topology(1, ranks, intra=Link(1.0, 1e300))
+    unit_bytes = Topology(1, ranks, intra=Link(0.0, 1.0))
+    a = np.array([op_time(CommOp(op, b), unit_latency) for b, _ in points])
+    x = np.array([op_time(CommOp(op, b), unit_bytes) for b, _ in points])
+    t = np.array([sec for _, sec in points])
+    (alpha, inv_bw), *_ = np.linalg.lstsq(np.stack([a, x], axis=1), t, rcond=None)
+    if alpha < 0:
+        alpha, inv_bw = 0.0, float(x @ t / (x @ x))
+    if inv_bw <= 0:  # latency-bound at every size: take the bandwidth the largest message saw
+        inv_bw = float(t[-1] / x[-1])
+    return Link(float(alpha), 1.0 / float(inv_bw))
+
+
+def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int], None] | None = None,
+              timeout: float = 300.0) -> Profile:
+    """Measure this machine on a ``settings.ranks``-rank local world and return a :class:`Profile`.
+    ``progress(what, done, total)`` is called before each measurement and once at the end."""
+    import psutil
+
+    from ..launcher import LocalWorld, RankError
+
+    say = progress or (lambda what, done, total: None)
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // settings.ranks)
+    cfg = asdict(settings)
+    kernel_jobs = [(kind, n) for kind in ("full", "causal") for n in settings.sizes]
+    kernel_jobs += [("partial", n) for n in settings.partial_sizes]
+    comm_jobs = [(op, b) for op in CALIBRATED_OPS for b in settings.message_bytes]
+    total = len(kernel_jobs) + 1 + len(comm_jobs) + 1
+    done = 0
+
+    def checked(results: list) -> list:
+        errors = [r for r in results if isinstance(r, RankError)]
+        if errors:
+            raise RuntimeError(f"calibration failed: {errors[0]}")
+        return results
+
+    problem = Problem(settings.ranks * max(settings.sizes), settings.ranks, "full", settings.batch, settings.heads,
+                      settings.kv_heads, settings.head_dim, settings.dtype)
+    points: list[RatePoint] = []
+    with LocalWorld(settings.ranks, threads=threads) as w:
+        for kind, n in kernel_jobs:
+            say(f"kernel {kind} {n}x{n}", done, total)
+            res = checked(w.run(rank_kernels, timeout=timeout, settings=cfg, kind=kind, n=n))
+            kernel = Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n)
+            for phase in ("forward", "backward"):
+                seconds = max(r[phase] for r in res)
+                points.append(RatePoint(phase, kind, n, n, kernel.flops(problem, phase) / seconds))
+            done += 1
+        merge_n = max(settings.sizes)
+        say("merge epilogue", done, total)
+        merge_s = max(checked(w.run(rank_merge, timeout=timeout, settings=cfg, n=merge_n)))
+        memory_bandwidth = Kernel("full", merge_n, merge_n, 0).epilogue_bytes(problem, "forward") / merge_s
+        done += 1
+        measured: dict[str, list[tuple[int, float]]] = {op: [] for op in CALIBRATED_OPS}
+        for op, nbytes in comm_jobs:
+            say(f"{op} {nbytes / 2**20:.3g} MiB", done, total)
+            measured[op].append((nbytes, max(checked(w.run(rank_collective, timeout=timeout, settings=cfg, op=op,
+                                                            nbytes=nbytes)))))
+            done += 1
+        say("overlap of a transfer and a kernel", done, total)
+        ov = checked(w.run(rank_overlap, timeout=timeout, settings=cfg, n=settings.sizes[len(settings.sizes) // 2],
+                           nbytes=max(settings.message_bytes)))
+        tc, tm, tb = (max(r[key] for r in ov) for key in ("compute", "comm", "both"))
+        overlap = min(1.0, max(0.0, (tc + tm - tb) / min(tc, tm)))
+        done += 1
+    say("done", done, total)
+    links = {op: fit_link(op, settings.ranks, pts) for op, pts in measured.items()}
+    host = {"torch": torch.__version__, "platform": platform.platform(), "machine": platform.machine(),
+            "kernel_shape": f"b={settings.batch} h={settings.heads}:{settings.kv_heads} d={settings.head_dim} "
+                            f"{settings.dtype}"}
+    return Profile(tuple(points), links, memory_bandwidth, overlap, cores, settings.ranks, threads,
+                   int(psutil.virtual_memory().total), host)
+
+
+__all__ = ["CALIBRATED_OPS", "QUICK", "Settings", "calibrate", "fit_link"]

@@ -1,0 +1,200 @@
+"""``estimate(schedule, problem, topology)``: predicted time, traffic and memory of one schedule (pure).
+
+The schedule declares its steps (``Schedule.steps``); each step is timed by its busiest rank:
+
+    compute  = max over the step's per-rank Work of  sum(calls * Device.kernel_time(kernel))
+    comm     = sum of op_time(op) over the step's ops (they share the links), split into the part in
+               flight (m) and the part that runs at the wait (w; the second level of a hierarchical
+               collective, see ``collectives.op_times``)
+    duration = compute + m - overlap * min(compute, m) + w   if the ops overlap the compute
+             = compute + m + w                               otherwise
+
+with ``overlap`` the topology's hidden fraction (1 on GPUs). The call takes the sum of its steps'
+durations (steps are separated by waits, so the slowest rank sets the pace of each). Traffic is the
+busiest rank's payload (``cpattn.comm`` units) from the steps' ops; memory is the resident inputs
+and outputs plus the largest ``live_bytes`` of any step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..layout import Layout
+from .collectives import group_size, op_times
+from .steps import Problem, Step, split_phase
+from .topology import Topology
+
+if TYPE_CHECKING:
+    from ..schedules.base import Schedule
+
+log = logging.getLogger(__name__)
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Prediction for one call. ``total``, ``compute``, ``comm``, ``exposed_comm``: seconds (compute and
+    comm summed over steps on the busiest rank; exposed_comm = total - compute, the part of comm not
+    hidden). ``bytes_per_rank``: bytes sent by the busiest rank. ``peak_memory``: bytes per rank.
+    ``flops``: attention FLOPs of the whole problem (allowed pairs only)."""
+
+    total: float
+    compute: float
+    comm: float
+    exposed_comm: float
+    bytes_per_rank: int
+    peak_memory: int
+    schedule: str = ""
+    phase: str = "forward+backward"
+    flops: float = 0.0
+
+    def tflops_per_rank(self, world: int) -> float:
+        """Achieved attention TFLOP/s per rank (FLOPs / total / world / 1e12)."""
+        return self.flops / self.total / world / 1e12 if self.total > 0 else float("nan")
+
+
+def _schedule(schedule: Schedule | str) -> Schedule:
+    if isinstance(schedule, str):
+        from .. import schedules
+
+        return schedules.get(schedule)
+    return schedule
+
+
+def declares_steps(schedule: Schedule | str) -> bool:
+    """Whether ``schedule`` implements ``steps`` (and so can be estimated)."""
+    from ..schedules.base import Schedule
+
+    return type(_schedule(schedule)).steps is not Schedule.steps
+
+
+def _resident(problem: Problem, phase: str) -> int:
+    """Inputs and outputs a rank holds whatever the schedule (bytes): q, k, v, out and lse forward;
+    plus dout, dq, dk, dv backward."""
+    b, s, d, e = problem.batch, problem.local_len, problem.head_dim, problem.elem
+    q, kv, lse = b * s * problem.heads * d * e, b * s * problem.kv_heads * d * e, 4 * b * problem.heads * s
+    forward = 2 * q + 2 * kv + lse
+    return forward if phase == "forward" else forward + 2 * q + 2 * kv
+
+
+def busiest_bytes_sent(steps: list[Step], topology: Topology) -> int:
+    """Bytes sent by the rank that sends most over ``steps`` (``cpattn.comm`` accounting)."""
+    base = 0
+    extra: dict[int, int] = defaultdict(int)
+    for st in steps:
+        for op in st.comm:
+            size = group_size(op, topology)
+            other = sum(v[1] for v in op.accounting(-1, size).values())  # a rank that is not the root
+            base += other
+            if op.op in ("broadcast", "reduce"):
+                extra[op.root] += sum(v[1] for v in op.accounting(op.root, size).values()) - other
+    most = max(extra.values(), default=0)
+    if len(extra) < topology.world:  # some rank is never a root
+        most = max(most, 0)
+    return base + most
+
+
+def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
+             phase: str = "forward+backward") -> Estimate:
+    """Predict ``schedule`` (a name or a Schedule) on ``problem`` over ``topology`` for ``phase``
+    ("forward", "backward" or "forward+backward"). Raises NotImplementedError when the schedule does not
+    declare ``steps``, ValueError when it cannot run the problem."""
+    sched = _schedule(schedule)
+    if not declares_steps(sched):
+        raise NotImplementedError(
+            f"schedule {sched.name!r} does not implement steps(problem, phase), so the cost model cannot "
+            "estimate it; see cpattn.cost.steps for what a schedule must declare")
+    if topology.world != problem.world:
+        raise ValueError(f"topology has {topology.world} ranks ({topology.nodes} x {topology.devices_per_node}) "
+                         f"but the problem has world={problem.world}")
+    sched.check_mask(problem.mask)
+    Layout(sched.layout_for(problem.mask)).check(problem.seq_len, problem.world)
+    device = topology.device
+    times: dict = {}
+    total = compute = comm = 0.0
+    sent, peak = 0, 0
+    for ph in split_phase(phase):
+        steps = sched.steps(problem, ph)
+        for st in steps:
+            c = 0.0
+            for w, _ranks in st.work:
+                t = 0.0
+                for kernel, calls in w:
+                    key = (kernel, ph)
+                    if key not in times:
+                        times[key] = device.kernel_time(kernel, problem, ph)
+                    t += calls * times[key]
+                c = max(c, t)
+            split = [op_times(op, topology) for op in st.comm]
+            m, blocking = sum(t for t, _ in split), sum(t for _, t in split)
+            total += c + m - (topology.overlap * min(c, m) if st.overlap else 0.0) + blocking
+            compute += c
+            comm += m + blocking
+        sent += busiest_bytes_sent(steps, topology)
+        peak = max(peak, _resident(problem, ph) + max((st.live_bytes for st in steps), default=0))
+    return Estimate(total, compute, comm, total - compute, sent, peak, sched.name, phase, problem.flops(phase))
+
+
+def check_supports(schedule: Schedule | str, problem: Problem) -> None:
+    """Raise (ValueError / TypeError / NotImplementedError) unless ``schedule`` can run ``problem``:
+    mask, layout split, shape and dtype (its own checks, on meta tensors), and a ``steps`` declaration."""
+    sched = _schedule(schedule)
+    sched.check_mask(problem.mask)
+    Layout(sched.layout_for(problem.mask)).check(problem.seq_len, problem.world)
+    dtype = _TORCH_DTYPES[problem.dtype]
+    b, s, d = problem.batch, problem.local_len, problem.head_dim
+    q = torch.empty((b, s, problem.heads, d), dtype=dtype, device="meta")
+    k = torch.empty((b, s, problem.kv_heads, d), dtype=dtype, device="meta")
+    sched.check_shape(q, k, problem.world)
+    if not declares_steps(sched):
+        raise NotImplementedError(f"schedule {sched.name!r} does not implement steps(problem, phase)")
+
+
+def rank_schedules(problem: Problem, topology: Topology, names: list[str] | None = None,
+                   phase: str = "forward+backward") -> list[tuple[str, Estimate | str]]:
+    """Every candidate (default: all registered schedules, in registry order) with its
+    :class:`Estimate`, or the reason it cannot be used (unsupported, or over the device memory).
+    Feasible ones come first, fastest first; ties keep registry order."""
+    from .. import schedules
+
+    feasible: list[tuple[str, Estimate]] = []
+    excluded: list[tuple[str, str]] = []
+    for name in names if names is not None else schedules.names():
+        try:
+            check_supports(name, problem)
+            est = estimate(name, problem, topology, phase)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            excluded.append((name, str(exc)))
+            continue
+        if est.peak_memory > topology.device.memory:
+            excluded.append((name, f"needs {est.peak_memory / 2**30:.1f} GiB per rank, the device has "
+                                   f"{topology.device.memory / 2**30:.1f} GiB"))
+            continue
+        feasible.append((name, est))
+    feasible.sort(key=lambda item: item[1].total)  # stable: registry order breaks ties
+    return [*feasible, *excluded]
+
+
+def choose(problem: Problem, topology: Topology, names: list[str] | None = None) -> tuple[str, str]:
+    """``(name, why)`` of the fastest feasible schedule for ``problem`` (forward + backward).
+    Deterministic: the same inputs give the same choice on every rank, with no communication."""
+    ranked = rank_schedules(problem, topology, names)
+    if not ranked or not isinstance(ranked[0][1], Estimate):
+        reasons = "; ".join(f"{n}: {r}" for n, r in ranked)
+        raise ValueError(f"no registered schedule can run this problem ({reasons})")
+    best, est = ranked[0]
+    others = ", ".join(f"{n} {e.total * 1e3:.3g} ms" if isinstance(e, Estimate) else f"{n} excluded ({e})"
+                       for n, e in ranked[1:])
+    why = (f"lowest predicted forward+backward time {est.total * 1e3:.3g} ms on topology {topology.name!r} "
+           f"(S={problem.seq_len}, P={problem.world}, mask {problem.mask.name}); others: {others}")
+    return best, why
+
+
+__all__ = ["Estimate", "busiest_bytes_sent", "check_supports", "choose", "declares_steps", "estimate",
+           "rank_schedules"]

@@ -1,0 +1,116 @@
+"""Topology presets with published figures (each with its source), and ``local`` from calibration.
+
+``preset(name, world)`` returns the :class:`Topology` of ``world`` devices of that machine: whole nodes
+(``world`` a multiple of the devices per node), or one partly used node for smaller worlds.
+
+Figures that no vendor publishes (attention-kernel efficiency, collective-library latency per step)
+are stated as assumptions next to the figure they support.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .device import Device
+from .profile import Profile, load_default
+from .topology import Link, Topology
+
+# --- Frontier (OLCF): 4 AMD MI250X per node = 8 GCDs; 4 HPE Slingshot-11 NICs, one per MI250X.
+# Sources: OLCF Frontier User Guide, "System Overview" / "Node Types" (docs.olcf.ornl.gov/systems/
+# frontier_user_guide.html): 64 GB HBM2e and 1.6 TB/s per GCD; GCD-GCD Infinity Fabric 50-100 GB/s
+# between MI250X (200 GB/s inside one), per direction; 4 x 25 GB/s Slingshot NICs, each attached to one
+# MI250X. AMD Instinct MI250X data sheet: 383 TFLOP/s dense bf16 per MI250X = 191.5 per GCD.
+# Assumed: flash attention at 40% of that forward and 30% backward, in line with RingX's reported
+# 38% MFU for Llama3-8B at 1M tokens on Frontier; 10 us per collective step (RCCL over Slingshot;
+# rccl-tests small-message times are a few to tens of us) and 5 us inside the node.
+FRONTIER_DEVICE = Device("MI250X GCD", forward_flops=0.40 * 191.5e12, backward_flops=0.30 * 191.5e12,
+                         memory_bandwidth=1.6e12, memory=64 * 2**30, half_tokens=256.0, launch=10e-6)
+FRONTIER = dict(devices_per_node=8, intra=Link(5e-6, 50e9), inter=Link(10e-6, 25e9), nics_per_node=4,
+                device=FRONTIER_DEVICE)
+
+# --- NVIDIA DGX H100: 8 H100 SXM5 80 GB; NVLink 4 (900 GB/s bidirectional per GPU = 450 per direction)
+# through NVSwitch; 8 ConnectX-7 400 Gb/s (50 GB/s) compute NICs, one per GPU (rail-optimised).
+# Sources: NVIDIA DGX H100 data sheet and DGX H100 User Guide; H100 data sheet: 989 TFLOP/s dense bf16,
+# 3.35 TB/s HBM3. FlashAttention-3 (Shah et al., 2024), H100 head dim 128 bf16: FlashAttention-2 about
+# 330-370 TFLOP/s forward, FlashAttention-3 500-740 forward and 450-550 backward; we take 450 / 350.
+# Assumed: NCCL per-step latency about 3 us over NVLink and 6 us over InfiniBand (nccl-tests small sizes).
+DGX_H100_DEVICE = Device("H100 SXM5", forward_flops=450e12, backward_flops=350e12, memory_bandwidth=3.35e12,
+                         memory=80 * 10**9, half_tokens=128.0, launch=5e-6)
+DGX_H100 = dict(devices_per_node=8, intra=Link(3e-6, 450e9), inter=Link(6e-6, 50e9), nics_per_node=8,
+                device=DGX_H100_DEVICE)
+
+# --- NVIDIA DGX A100: 8 A100 SXM4 80 GB; NVLink 3 (600 GB/s bidirectional per GPU = 300 per direction);
+# 8 ConnectX-6 200 Gb/s HDR (25 GB/s) compute NICs, one per GPU. Sources: NVIDIA DGX A100 data sheet;
+# A100 data sheet: 312 TFLOP/s dense bf16, 2.0 TB/s HBM2e (80 GB). FlashAttention-2 (Dao, 2023): 50-73%
+# of peak forward on A100, up to about 225 TFLOP/s; we take 200 forward, 160 backward.
+DGX_A100_DEVICE = Device("A100 SXM4", forward_flops=200e12, backward_flops=160e12, memory_bandwidth=2.0e12,
+                         memory=80 * 10**9, half_tokens=128.0, launch=5e-6)
+DGX_A100 = dict(devices_per_node=8, intra=Link(3e-6, 300e9), inter=Link(6e-6, 25e9), nics_per_node=8,
+                device=DGX_A100_DEVICE)
+
+# --- local without a calibration profile: deliberately pessimistic CPU figures (a few GFLOP/s per
+# rank, 1 GB/s and 100 us per message over loopback, no overlap, 8 GiB per rank), so that an
+# uncalibrated choice prefers little communication and little memory.
+LOCAL_DEFAULT_DEVICE = Device("local CPU (uncalibrated)", forward_flops=20e9, backward_flops=10e9,
+                              memory_bandwidth=5e9, memory=8 * 2**30, half_tokens=256.0, causal_efficiency=0.6,
+                              partial_efficiency=0.1, launch=50e-6)
+LOCAL_DEFAULT_LINK = Link(100e-6, 1e9)
+
+PRESETS = {"frontier": FRONTIER, "dgx-h100": DGX_H100, "dgx-a100": DGX_A100}
+NAMES = (*PRESETS, "local")
+
+
+def _nodes(name: str, world: int, per_node: int) -> tuple[int, int]:
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if world <= per_node:
+        return 1, world
+    if world % per_node:
+        raise ValueError(f"the {name} preset has {per_node} devices per node: world={world} must be at most "
+                         f"{per_node} or a multiple of it")
+    return world // per_node, per_node
+
+
+def local(world: int, profile: Profile | None = None, threads_per_rank: int | None = None,
+          cores: int | None = None) -> Topology:
+    """``world`` ranks on this machine, from ``profile`` (or the conservative defaults without one).
+
+    Measured kernel rates are rescaled to the cores each rank gets: ``min(threads_per_rank, cores /
+    world)`` against the same figure at calibration time (ranks share the cores; oversubscribed ranks
+    run proportionally slower). ``threads_per_rank`` defaults to ``cores // world`` (at least 1), as
+    ``cpattn bench`` uses.
+    """
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if profile is None:
+        return Topology(1, world, intra=LOCAL_DEFAULT_LINK, inter=LOCAL_DEFAULT_LINK,
+                        device=LOCAL_DEFAULT_DEVICE, overlap=0.0, name="local (uncalibrated)")
+    cores = cores or profile.cores
+    threads = threads_per_rank or max(1, cores // world)
+    share_now = min(float(threads), cores / world)
+    share_then = min(float(profile.threads_per_rank), profile.cores / profile.ranks)
+    fwd = [p.flop_per_s for p in profile.kernels if p.phase == "forward" and p.kind == "full"]
+    bwd = [p.flop_per_s for p in profile.kernels if p.phase == "backward" and p.kind == "full"]
+    device = Device("local CPU (calibrated)", forward_flops=max(fwd, default=LOCAL_DEFAULT_DEVICE.forward_flops),
+                    backward_flops=max(bwd, default=LOCAL_DEFAULT_DEVICE.backward_flops),
+                    memory_bandwidth=profile.memory_bandwidth, memory=profile.memory // world, launch=0.0,
+                    table=profile.kernels).scaled(share_now / share_then)
+    intra = profile.links["sendrecv"]
+    return Topology(1, world, intra=intra, inter=intra, device=device, overlap=profile.overlap,
+                    op_links=tuple(sorted(profile.links.items())), name="local")
+
+
+def preset(name: str, world: int, profile: Profile | None = None) -> Topology:
+    """The topology of ``world`` devices of preset ``name`` (see :data:`NAMES`). ``local`` uses
+    ``profile``, else the profile at the default location, else conservative defaults."""
+    key = name.lower().replace("_", "-")
+    if key == "local":
+        return local(world, profile if profile is not None else load_default(), cores=os.cpu_count() or 1)
+    if key not in PRESETS:
+        raise ValueError(f"topology preset {name!r} is unknown; accepted: {', '.join(NAMES)}")
+    spec = PRESETS[key]
+    nodes, per_node = _nodes(key, world, spec["devices_per_node"])
+    return Topology(nodes, per_node, **{k: v for k, v in spec.items() if k != "devices_per_node"}, name=key)
+
+
+__all__ = ["DGX_A100", "DGX_H100", "FRONTIER", "LOCAL_DEFAULT_DEVICE", "NAMES", "PRESETS", "local", "preset"]

@@ -1,0 +1,217 @@
+"""What a schedule declares to the cost model: a problem, and the steps it runs on it (pure data).
+
+A schedule's ``steps(problem, phase)`` (see :class:`cpattn.schedules.base.Schedule`) returns a list of
+:class:`Step`. Steps run in order on every rank. A step is the interval between two points where
+ranks wait on each other (a transfer's ``wait``): it holds the kernel calls each rank runs (as a
+distribution: which :data:`Work` how many ranks do), the communication ops issued in it, and whether
+those ops overlap the step's compute. The cost model times a step by its busiest rank, so a step
+must not span a synchronisation point.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..masks import BlockKind, CausalMask, FullMask, Mask, allowed_pairs, resolve
+
+#: bytes per element of q/k/v for each supported dtype name
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+PHASES = ("forward", "backward")
+#: backward kernels do 2.5x the forward FLOPs (the convention bench.md uses)
+BACKWARD_FLOP_RATIO = 2.5
+#: communication ops a step may issue (``sendrecv`` is one batched send plus one receive)
+COMM_OPS = ("sendrecv", "broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+#: process groups an op may run on: every rank, the ranks of one node, or one rail (same local index)
+GROUPS = ("world", "node", "rail")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention call: global ``seq_len`` tokens over ``world`` ranks, ``[batch, seq, heads,
+    head_dim]`` queries and ``kv_heads`` key/value heads in ``dtype`` (a name in :data:`DTYPE_BYTES`)."""
+
+    seq_len: int
+    world: int
+    mask: Mask | str = "causal"
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mask", resolve(self.mask))
+        for name in ("seq_len", "world", "batch", "heads", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Problem.{name} must be a positive int, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"Problem.heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"Problem.dtype={self.dtype!r} is unknown; accepted: {', '.join(DTYPE_BYTES)}")
+        if self.seq_len % self.world:
+            raise ValueError(f"Problem.seq_len={self.seq_len} is not a multiple of world={self.world}")
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.world
+
+    @property
+    def elem(self) -> int:
+        """Bytes per element of q, k, v."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def acc_elem(self) -> int:
+        """Bytes per element of partial outputs and gradient accumulators (float32, float64 for float64)."""
+        return 8 if self.dtype == "float64" else 4
+
+    def allowed_pairs(self) -> int:
+        """(query, key) pairs that attend over the whole sequence (closed form for causal and full)."""
+        s = self.seq_len
+        if isinstance(self.mask, FullMask):
+            return s * s
+        if isinstance(self.mask, CausalMask):
+            return s * (s + 1) // 2
+        try:
+            return _cached_allowed_pairs(self.mask, s)
+        except TypeError:  # an unhashable mask
+            return allowed_pairs(self.mask, s)
+
+    def flops(self, phase: str) -> float:
+        """Attention FLOPs of ``phase`` ("forward", "backward" or "forward+backward") over the whole
+        sequence, counting only allowed pairs: 4 b h d pairs forward, 2.5 x that backward."""
+        fwd = 4.0 * self.batch * self.heads * self.head_dim * self.allowed_pairs()
+        return fwd * sum(_phase_factor(p) for p in split_phase(phase))
+
+
+_cached_allowed_pairs = lru_cache(maxsize=64)(allowed_pairs)
+
+
+def split_phase(phase: str) -> tuple[str, ...]:
+    """``"forward"``, ``"backward"`` or ``"forward+backward"`` -> the phases it runs."""
+    phases = tuple(phase.split("+"))
+    if not phases or any(p not in PHASES for p in phases) or len(set(phases)) != len(phases):
+        raise ValueError(f"phase={phase!r} is unknown; accepted: forward, backward, forward+backward")
+    return phases
+
+
+def _phase_factor(phase: str) -> float:
+    return 1.0 if phase == "forward" else BACKWARD_FLOP_RATIO
+
+
+@dataclass(frozen=True, order=True)
+class Kernel:
+    """One local kernel call: ``q_len`` query rows against ``kv_len`` key rows of kind ``kind``
+    ("full", "causal" or "partial"), of which ``area`` (query, key) pairs attend."""
+
+    kind: str
+    q_len: int
+    kv_len: int
+    area: int
+
+    def flops(self, problem: Problem, phase: str) -> float:
+        """FLOPs this call executes. FULL and CAUSAL kernels skip what is masked; a PARTIAL one runs
+        densely over its whole rectangle (the mask is applied to the scores)."""
+        pairs = self.q_len * self.kv_len if self.kind == BlockKind.PARTIAL.value else self.area
+        return 4.0 * problem.batch * problem.heads * problem.head_dim * pairs * _phase_factor(phase)
+
+    def epilogue_bytes(self, problem: Problem, phase: str) -> float:
+        """Memory traffic of folding the result into the accumulators (bytes): forward, read and
+        write the running output and lse and read the block's; backward, the same for dq, dk, dv."""
+        a, b, d = problem.acc_elem, problem.batch, problem.head_dim
+        if phase == "forward":
+            return 3.0 * a * b * self.q_len * problem.heads * (d + 1)
+        return 3.0 * a * b * d * (self.q_len * problem.heads + 2 * self.kv_len * problem.kv_heads)
+
+
+#: the kernel calls of one rank in one step: ``((kernel, calls), ...)``, canonical (sorted, merged)
+Work = tuple[tuple[Kernel, int], ...]
+
+
+def work(items) -> Work:
+    """Canonical :data:`Work` from ``(kernel, calls)`` pairs (merges repeats, drops zero calls)."""
+    counts: Counter[Kernel] = Counter()
+    for kernel, calls in items:
+        if calls:
+            counts[kernel] += calls
+    return tuple(sorted(counts.items()))
+
+
+def area(w: Work) -> int:
+    """Attending (query, key) pairs of a :data:`Work`."""
+    return sum(k.area * n for k, n in w)
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One communication op issued by every rank of ``group`` in a step.
+
+    ``bytes`` is the op's message size, as in ``cpattn.comm``: the tensor of a ``sendrecv`` (rank r
+    sends it to r + ``peer`` and receives one from r - ``peer``) or of a ``broadcast`` / ``reduce``
+    (``root`` is the group rank that sends / receives it) / ``all_reduce``; the per-rank input of an
+    ``all_gather`` or ``all_to_all``; the per-rank output of a ``reduce_scatter``. ``hierarchical``
+    all-gathers and reduce-scatters run in two levels (across nodes along each rail, then inside the
+    node; reduce-scatter mirrored) and are accounted as one flat call.
+    """
+
+    op: str
+    bytes: int
+    group: str = "world"
+    peer: int = 1
+    root: int = 0
+    hierarchical: bool = False
+
+    def __post_init__(self) -> None:
+        if self.op not in COMM_OPS:
+            raise ValueError(f"CommOp.op={self.op!r} is unknown; accepted: {', '.join(COMM_OPS)}")
+        if self.group not in GROUPS:
+            raise ValueError(f"CommOp.group={self.group!r} is unknown; accepted: {', '.join(GROUPS)}")
+        if not isinstance(self.bytes, int) or self.bytes < 0:
+            raise ValueError(f"CommOp.bytes must be a non-negative int, got {self.bytes!r}")
+        if self.hierarchical and self.op not in ("all_gather", "reduce_scatter"):
+            raise ValueError(f"only all_gather and reduce_scatter can be hierarchical, not {self.op!r}")
+
+    def accounting(self, rank: int, size: int) -> dict[str, tuple[int, int, int]]:
+        """``{op kind: (calls, bytes_sent, bytes_recv)}`` this op adds to group rank ``rank``'s
+        ``Communicator.stats()`` in a group of ``size`` ranks (the table in ``cpattn.comm``)."""
+        n, p = self.bytes, size
+        if self.op == "sendrecv":
+            return {"send": (1, n, 0), "recv": (1, 0, n)}
+        if self.op == "broadcast":
+            return {"broadcast": (1, n if rank == self.root else 0, 0 if rank == self.root else n)}
+        if self.op == "reduce":
+            return {"reduce": (1, 0 if rank == self.root else n, n if rank == self.root else 0)}
+        if self.op == "all_reduce":
+            vol = 2 * (p - 1) * n // p
+        elif self.op == "all_to_all":
+            vol = (p - 1) * n // p
+        else:
+            vol = (p - 1) * n
+        return {self.op: (1, vol, vol)}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One synchronised step. ``work``: ``((Work, ranks), ...)``, what the ranks compute (their
+    counts sum to the world size; an idle rank has empty work). ``comm``: the ops issued in the step,
+    sharing the links (their times add). ``overlap``: the ops run during the compute (True) or after
+    it (False). ``live_bytes``: schedule buffers and accumulators alive on a rank during the step,
+    beyond the resident inputs and outputs (bytes)."""
+
+    work: tuple[tuple[Work, int], ...] = ()
+    comm: tuple[CommOp, ...] = ()
+    overlap: bool = True
+    live_bytes: int = 0
+
+
+def distribution(works) -> tuple[tuple[Work, int], ...]:
+    """``((Work, ranks), ...)`` from an iterable of per-rank :data:`Work` (sorted, merged)."""
+    counts: Counter[Work] = Counter(works)
+    return tuple(sorted(counts.items()))
+
+
+__all__ = ["BACKWARD_FLOP_RATIO", "COMM_OPS", "DTYPE_BYTES", "GROUPS", "PHASES", "CommOp", "Kernel", "Problem",
+           "Step", "Work", "area", "distribution", "split_phase", "work"]

@@ -1,0 +1,206 @@
+"""The kernel graph of one phase (ultraattn.md, "Kernel graph and schedule"): compute kernels,
+transfers of chunks between devices, merges of partial results, and the dependencies between them,
+as :class:`cpattn.cost.simulator.Task` so the cost model times and simulates it.
+
+Items that travel (one message each, ``chunk`` tokens of one chunk):
+
+| phase | item | what | dtype |
+|---|---|---|---|
+| forward | ``q`` | query rows | input |
+| forward, backward | ``kv`` | keys and values, packed | input |
+| forward | ``o`` | partial output and its lse | accumulation |
+| backward | ``qb`` | lse, then q, dout and the final out | accumulation, then input |
+| backward | ``dq`` | partial dq | accumulation |
+| backward | ``dkv`` | partial dk and dv, packed | accumulation |
+
+Routing. A device that computes a cell of row i needs row i's input item; one that produced a partial
+output of chunk i must return it to i's owner. Inside a node items go directly. Across nodes they are
+rail-aligned: chunk i crosses once per node, between its owner and the device with the owner's local
+index on the other node (its *rail peer*), which forwards it inside its node; partial outputs go the
+other way, merged at the rail peer first, so each node sends one partial per chunk across.
+
+Tasks: ``c{k}`` kernel k on its device's compute lane; ``t{n}`` transfer n on the sender's send lane
+and the receiver's receive lane (and, across nodes, the NICs they use); ``m{n}`` the merge of partial
+transfer n at its receiver (compute lane). Dependencies: a transfer of an input leaves a relay after
+it arrived there; a kernel starts after its inputs arrived; a partial leaves after every kernel and
+merge that contributes to it on that device; a merge follows its transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..cost.plan_costs import merge_time
+from ..cost.simulator import Task, compute, transfer
+from ..cost.steps import Kernel as CostKernel
+from ..cost.steps import Problem
+from ..cost.topology import Topology
+from .block_table import BlockTable
+from .tiling import Kernel
+
+#: per phase, the input items (and whether they follow a kernel's rows or its columns)
+INPUTS = {"forward": (("q", "rows"), ("kv", "cols")), "backward": (("qb", "rows"), ("kv", "cols"))}
+#: per phase, the partial outputs a kernel produces (and whether per row or per column chunk)
+OUTPUTS = {"forward": (("o", "rows"),), "backward": (("dq", "rows"), ("dkv", "cols"))}
+PHASES = tuple(INPUTS)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Chunk ``chunk`` of ``item`` sent from rank ``src`` to rank ``dst``."""
+
+    src: int
+    dst: int
+    item: str
+    chunk: int
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What an item's size depends on: ``batch``, ``chunk`` tokens, ``heads``, ``kv_heads``,
+    ``head_dim``; ``elem`` / ``acc_elem`` bytes per element of the inputs / the accumulators."""
+
+    batch: int
+    chunk: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    elem: int
+    acc_elem: int
+
+    def item_bytes(self, item: str) -> int:
+        """Bytes of one message of ``item`` (see the module table)."""
+        rows = self.batch * self.chunk * self.heads
+        kv = 2 * self.batch * self.chunk * self.kv_heads * self.head_dim
+        sizes = {"q": rows * self.head_dim * self.elem, "kv": kv * self.elem,
+                 "o": rows * (self.head_dim + 1) * self.acc_elem,
+                 "qb": rows * (3 * self.head_dim * self.elem + self.acc_elem),
+                 "dq": rows * self.head_dim * self.acc_elem, "dkv": kv * self.acc_elem}
+        if item not in sizes:
+            raise ValueError(f"item {item!r} is unknown; accepted: {', '.join(sizes)}")
+        return sizes[item]
+
+
+@dataclass(frozen=True)
+class KernelGraph:
+    """One phase's kernels, transfers and timed tasks (``tasks`` named as in the module docstring)."""
+
+    phase: str
+    kernels: tuple[Kernel, ...]
+    transfers: tuple[Transfer, ...]
+    tasks: tuple[Task, ...]
+
+
+def _chunks(kernel: Kernel, axis: str) -> tuple[int, ...]:
+    return kernel.rows if axis == "rows" else kernel.cols
+
+
+def route(phase: str, kernels: list[Kernel] | tuple[Kernel, ...], owner: list[int],
+          topology: Topology) -> list[Transfer]:
+    """Every transfer of ``phase`` for ``kernels`` (see "Routing" in the module docstring), inputs
+    first, in a deterministic order."""
+    d = topology.devices_per_node
+    out: dict[Transfer, None] = {}
+
+    def rail_peer(dev: int, chunk: int) -> int:
+        return topology.node_of(dev) * d + topology.local_index(owner[chunk])
+
+    for item, axis in INPUTS[phase]:
+        need = sorted({(chunk, kn.device) for kn in kernels for chunk in _chunks(kn, axis)})
+        for chunk, dev in need:
+            home = owner[chunk]
+            if dev == home:
+                continue
+            if topology.node_of(dev) == topology.node_of(home):
+                out[Transfer(home, dev, item, chunk)] = None
+                continue
+            peer = rail_peer(dev, chunk)
+            out[Transfer(home, peer, item, chunk)] = None
+            if dev != peer:
+                out[Transfer(peer, dev, item, chunk)] = None
+    for item, axis in OUTPUTS[phase]:
+        made = sorted({(chunk, kn.device) for kn in kernels for chunk in _chunks(kn, axis)})
+        for chunk, dev in made:
+            home = owner[chunk]
+            if dev == home:
+                continue
+            if topology.node_of(dev) == topology.node_of(home):
+                out[Transfer(dev, home, item, chunk)] = None
+                continue
+            peer = rail_peer(dev, chunk)
+            if dev != peer:
+                out[Transfer(dev, peer, item, chunk)] = None
+            out[Transfer(peer, home, item, chunk)] = None
+    inputs = {item for item, _ in INPUTS[phase]}
+    return sorted(out, key=lambda t: (t.item not in inputs, t.item in inputs and t.src != owner[t.chunk],
+                                      t.item, t.chunk, t.src, t.dst))
+
+
+def dependencies(phase: str, kernels: list[Kernel] | tuple[Kernel, ...],
+                 transfers: list[Transfer] | tuple[Transfer, ...], owner: list[int]) -> dict[str, tuple[str, ...]]:
+    """Task name -> the task names it waits for (``c{k}``, ``t{n}``, ``m{n}``). Raises ValueError when
+    an input never reaches a device that needs it, or arrives twice."""
+    inputs = {item for item, _ in INPUTS[phase]}
+    delivered: dict[tuple[str, int, int], int] = {}
+    for n, t in enumerate(transfers):
+        if t.item in inputs:
+            key = (t.item, t.chunk, t.dst)
+            if key in delivered or t.dst == owner[t.chunk]:
+                raise ValueError(f"transfer {n} delivers {t.item} of chunk {t.chunk} to rank {t.dst} again")
+            delivered[key] = n
+
+    def arrival(item: str, chunk: int, dev: int) -> list[str]:
+        if dev == owner[chunk]:
+            return []
+        if (item, chunk, dev) not in delivered:
+            raise ValueError(f"rank {dev} needs {item} of chunk {chunk} but no transfer brings it")
+        return [f"t{delivered[item, chunk, dev]}"]
+
+    deps: dict[str, tuple[str, ...]] = {}
+    producers: dict[tuple[str, int, int], list[str]] = {}
+    for k, kn in enumerate(kernels):
+        waits: list[str] = []
+        for item, axis in INPUTS[phase]:
+            for chunk in _chunks(kn, axis):
+                waits += arrival(item, chunk, kn.device)
+        deps[f"c{k}"] = tuple(dict.fromkeys(waits))
+        for item, axis in OUTPUTS[phase]:
+            for chunk in _chunks(kn, axis):
+                producers.setdefault((item, chunk, kn.device), []).append(f"c{k}")
+    for n, t in enumerate(transfers):
+        if t.item not in inputs:
+            deps[f"m{n}"] = (f"t{n}",)
+            producers.setdefault((t.item, t.chunk, t.dst), []).append(f"m{n}")
+    for n, t in enumerate(transfers):
+        if t.item in inputs:
+            deps[f"t{n}"] = tuple(arrival(t.item, t.chunk, t.src))
+        else:
+            made = producers.get((t.item, t.chunk, t.src), [])
+            if not made:
+                raise ValueError(f"transfer {n} sends a partial {t.item} of chunk {t.chunk} that rank {t.src} "
+                                 "never computes or receives")
+            deps[f"t{n}"] = tuple(made)
+    return deps
+
+
+def build(phase: str, table: BlockTable, kernels: list[Kernel], owner: list[int], topology: Topology,
+          problem: Problem, sizes: Sizes) -> KernelGraph:
+    """The timed kernel graph of ``phase`` for ``kernels`` on ``topology`` (times from the cost model)."""
+    transfers = route(phase, kernels, owner, topology)
+    deps = dependencies(phase, kernels, transfers, owner)
+    device = topology.device
+    tasks: list[Task] = []
+    for k, kn in enumerate(kernels):
+        area = sum(table.area[i * table.n + j] for i in kn.rows for j in kn.cols)
+        ck = CostKernel(kn.kind, len(kn.rows) * table.chunk, len(kn.cols) * table.chunk, area)
+        tasks.append(compute(f"c{k}", kn.device, device.kernel_time(ck, problem, phase), deps[f"c{k}"]))
+    for n, t in enumerate(transfers):
+        nbytes = sizes.item_bytes(t.item)
+        task = transfer(f"t{n}", t.src, t.dst, nbytes, topology, deps[f"t{n}"])
+        if topology.node_of(t.src) != topology.node_of(t.dst):  # the NICs the two rails go through
+            task = replace(task, lanes=(*task.lanes, f"node{topology.node_of(t.src)}.nic{topology.nic_of(t.src)}.out",
+                                        f"node{topology.node_of(t.dst)}.nic{topology.nic_of(t.dst)}.in"))
+        tasks.append(task)
+        if f"m{n}" in deps:
+            tasks.append(compute(f"m{n}", t.dst, merge_time(device, nbytes), deps[f"m{n}"]))
+    return KernelGraph(phase, tuple(kernels), tuple(transfers), tuple(tasks))

@@ -1,0 +1,211 @@
+"""Ulysses (DeepSpeed-Ulysses): all-to-all between a sequence split and a head split.
+
+Forward: one all-to-all turns every rank's local queries ``[b, s, h, d]`` into the *whole* sequence
+for h/D of the heads, ``[b, D*s, h/D, d]`` (D = the Ulysses degree, here the group size P; the
+sequence is the members' local tokens in member order). Keys and values go the same way, packed in
+one message; each rank attends its heads over the whole sequence under the mask (EMPTY blocks skipped,
+FULL/CAUSAL blocks on the fast kernel, PARTIAL ones masked) and one all-to-all each brings ``out``
+(input dtype) and ``lse`` (float32) back to the sequence split.
+
+Backward: the head-split q, kv, out and lse are kept from the forward; one all-to-all brings dout to
+the head split, the local backward runs, and all-to-alls return dq (input dtype) and packed dk/dv.
+
+Key/value heads (:func:`kv_plan`): with h_kv divisible by D each rank receives its h_kv/D heads; with
+D divisible by h_kv (D > h_kv) each rank receives the one kv head its queries use, so every kv head
+travels to D/h_kv ranks and no further; otherwise each rank receives one kv head per query head. When
+a kv head reaches several ranks, their dk/dv come back as float32 and are summed at home; otherwise
+dk/dv come back in the input dtype. Needs h % D == 0 (:meth:`UlyssesSchedule.check_shape` names the
+valid degrees; ``usp`` combines a smaller Ulysses degree with a ring).
+
+Per rank, for P > 1, every op is an all-to-all of N bytes in, counted (P-1) N / P each way: forward
+q (b s h d elements), kv (2 b s D K d, K kv heads per destination), out (b s h d) and lse (b h s,
+float32); backward dout, dq (b s h d each) and dk/dv (2 b s D K d). The exchange helpers take any
+list of member ranks; a strict subset of the group (``usp``'s Ulysses groups) exchanges with batched
+point-to-point instead of a collective (same bytes: (D-1) sends and receives of N / D).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import acc_dtype
+from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
+
+TAG_A2A = 2  # point-to-point exchanges inside a sub-group (ring.py uses 0 and 1)
+
+
+def divisors(n: int, at_most: int) -> list[int]:
+    """Divisors of ``n`` that are <= ``at_most``, ascending."""
+    return [d for d in range(1, min(n, at_most) + 1) if n % d == 0]
+
+
+def kv_plan(heads: int, kv_heads: int, degree: int) -> list[list[int]]:
+    """The key/value heads each of ``degree`` ranks receives (the same count K for every rank), chosen
+    so that local query head t of rank j uses local kv head ``t // (heads / degree / K)`` (plain GQA)."""
+    hp, g = heads // degree, heads // kv_heads
+    if kv_heads % degree == 0:
+        k = kv_heads // degree
+        return [list(range(j * k, (j + 1) * k)) for j in range(degree)]
+    if degree % kv_heads == 0:
+        return [[j * hp // g] for j in range(degree)]
+    return [[(j * hp + t) // g for t in range(hp)] for j in range(degree)]
+
+
+def _replicated(plan: list[list[int]], kv_heads: int) -> bool:
+    return sum(len(p) for p in plan) != kv_heads
+
+
+def exchange(rt: Runtime, members: list[int], send: torch.Tensor) -> torch.Tensor:
+    """All-to-all among the group ranks ``members`` (this rank included): ``send[j]`` goes to
+    ``members[j]``; returns ``recv`` with ``recv[j]`` from ``members[j]``. The whole group uses one
+    collective; a strict subset uses batched point-to-point."""
+    comm, d = rt.comm, len(members)
+    if d == 1:
+        return send
+    out = comm.new_buffer(send.shape, send.dtype, send.device)
+    if d == comm.world_size:
+        comm.all_to_all(out, send)
+        return out
+    me = members.index(comm.rank)
+    out[me].copy_(send[me])
+    others = [j for j in range(d) if j != me]
+    comm.send_recv([(send[j], members[j]) for j in others], [(out[j], members[j]) for j in others],
+                   tag=TAG_A2A).wait()
+    return out
+
+
+def exchange_volume(d: int, nbytes: int, whole_group: bool) -> dict[str, dict[str, int]]:
+    """Counts of one :func:`exchange` of ``nbytes`` in per rank among ``d`` members."""
+    if d == 1:
+        return {}
+    part = (d - 1) * nbytes // d
+    if whole_group:
+        return {"all_to_all": op_volume(1, part, part)}
+    return {"send": op_volume(d - 1, part, 0), "recv": op_volume(d - 1, 0, part)}
+
+
+def add_volumes(*volumes: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for vol in volumes:
+        for op, v in vol.items():
+            acc = out.setdefault(op, op_volume(0, 0, 0))
+            for key in acc:
+                acc[key] += v[key]
+    return out
+
+
+def scatter_heads(rt: Runtime, members: list[int], x: torch.Tensor) -> torch.Tensor:
+    """Sequence split ``[b, s, H, d]`` -> head split ``[b, D*s, H/D, d]`` (members' tokens in order)."""
+    b, s, h, d = x.shape
+    n = len(members)
+    send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    return exchange(rt, members, send).permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
+
+
+def gather_heads(rt: Runtime, members: list[int], y: torch.Tensor) -> torch.Tensor:
+    """Head split ``[b, D*s, H/D, d]`` -> sequence split ``[b, s, H, d]`` (inverse of scatter_heads)."""
+    b, ns, hl, d = y.shape
+    n = len(members)
+    send = y.reshape(b, n, ns // n, hl, d).transpose(0, 1).contiguous()
+    return exchange(rt, members, send).permute(1, 2, 0, 3, 4).reshape(b, ns // n, n * hl, d)
+
+
+def gather_lse(rt: Runtime, members: list[int], lse: torch.Tensor) -> torch.Tensor:
+    """Head split ``[b, H/D, D*s]`` -> sequence split ``[b, H, s]``."""
+    b, hl, ns = lse.shape
+    n = len(members)
+    send = lse.reshape(b, hl, n, ns // n).permute(2, 0, 1, 3).contiguous()
+    return exchange(rt, members, send).transpose(0, 1).reshape(b, n * hl, ns // n)
+
+
+def scatter_kv(rt: Runtime, members: list[int], kv: torch.Tensor, plan: list[list[int]]) -> torch.Tensor:
+    """Packed ``kv [2, b, s, h_kv, d]`` -> ``[2, b, D*s, K, d]``: rank j gets heads ``plan[j]``."""
+    _, b, s, _, d = kv.shape
+    n, k = len(members), len(plan[0])
+    heads = torch.tensor([h for p in plan for h in p], device=kv.device)
+    send = kv.index_select(3, heads).reshape(2, b, s, n, k, d).permute(3, 0, 1, 2, 4, 5).contiguous()
+    return exchange(rt, members, send).permute(1, 2, 0, 3, 4, 5).reshape(2, b, n * s, k, d)
+
+
+def gather_dkv(rt: Runtime, members: list[int], dkv: torch.Tensor, plan: list[list[int]], kv_heads: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`scatter_kv` for gradients: ``[2, b, D*s, K, d]`` -> ``[2, b, s, h_kv, d]``
+    (float32, or ``dtype``), summing the copies of a kv head that went to several ranks."""
+    _, b, ns, k, d = dkv.shape
+    n = len(members)
+    send = dkv.to(dtype).reshape(2, b, n, ns // n, k, d).permute(2, 0, 1, 3, 4, 5).contiguous()
+    recv = exchange(rt, members, send).permute(1, 2, 3, 0, 4, 5).reshape(2, b, ns // n, n * k, d)
+    if not _replicated(plan, kv_heads):
+        return recv
+    heads = torch.tensor([h for p in plan for h in p], device=dkv.device)
+    out = torch.zeros(2, b, ns // n, kv_heads, d, dtype=recv.dtype, device=recv.device)
+    return out.index_add_(3, heads, recv)
+
+
+def dkv_dtype(plan: list[list[int]], kv_heads: int, dtype: torch.dtype) -> torch.dtype:
+    """dk/dv travel home in the input dtype, or float32 when copies of a head must be summed."""
+    return acc_dtype(dtype) if _replicated(plan, kv_heads) else dtype
+
+
+def check_heads(name: str, heads: int, degree: int, world: int) -> None:
+    if heads % degree:
+        valid = divisors(heads, world)
+        raise ValueError(f"{name} splits the {heads} query heads over a Ulysses degree of {degree}: heads must be "
+                         f"divisible by it; degrees <= {world} that divide {heads}: "
+                         f"{', '.join(map(str, valid))} (largest: {valid[-1]}); 'usp' combines one with a ring")
+
+
+class UlyssesSchedule(Schedule):
+    name = "ulysses"
+    layout = "contiguous"
+    masks = "any"
+    custom_layout = True
+    memory = "O(local): head-split q, kv, out kept for the backward"
+    summary = "all-to-all sequence <-> heads; whole-sequence attention on h/P heads"
+
+    def check_shape(self, q: torch.Tensor, k: torch.Tensor, world: int) -> None:
+        check_heads("ulysses", q.shape[2], world, world)
+
+    def forward(self, rt: Runtime, q, k, v):
+        members = list(range(rt.world))
+        plan = kv_plan(q.shape[2], k.shape[2], rt.world)
+        q_h = scatter_heads(rt, members, q)
+        kv_h = scatter_kv(rt, members, torch.stack([k, v]), plan)
+        out_acc, lse_h = new_accumulators(q_h)
+        attend(rt, q_h, kv_h[0], kv_h[1], rt.blocks(members, members), out_acc, lse_h)
+        out_h = out_acc.to(q.dtype)
+        out, lse = gather_heads(rt, members, out_h), gather_lse(rt, members, lse_h)
+        return out, lse, (q_h, kv_h, out_h, lse_h)
+
+    def backward(self, rt: Runtime, dout, q, k, v, out, lse, saved=()):
+        q_h, kv_h, out_h, lse_h = saved
+        members = list(range(rt.world))
+        plan = kv_plan(q.shape[2], k.shape[2], rt.world)
+        dout_h = scatter_heads(rt, members, dout)
+        acc = acc_dtype(q.dtype)
+        dq_h = torch.zeros(q_h.shape, dtype=acc, device=q.device)
+        dkv_h = torch.zeros(kv_h.shape, dtype=acc, device=q.device)
+        attend_backward(rt, dout_h, q_h, kv_h[0], kv_h[1], out_h, lse_h, rt.blocks(members, members),
+                        dq_h, dkv_h[0], dkv_h[1])
+        dq = gather_heads(rt, members, dq_h.to(q.dtype))
+        dkv = gather_dkv(rt, members, dkv_h, plan, k.shape[2], dkv_dtype(plan, k.shape[2], q.dtype))
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+    def volume(self, shape: Shape, rank: int) -> Volume:
+        return ulysses_volume(shape, shape.world, whole_group=True)
+
+
+def ulysses_volume(shape: Shape, degree: int, whole_group: bool) -> Volume:
+    """Counts of the Ulysses exchanges of ``degree`` ranks for per-rank ``shape`` (local tokens s)."""
+    b, s, h, hk, d, e, a = (shape.batch, shape.local_len, shape.heads, shape.kv_heads, shape.head_dim,
+                            shape.elem, shape.acc_elem)
+    plan = kv_plan(h, hk, degree)
+    seq = b * s * h * d * e  # q, out, dout, dq of one rank
+    kv = 2 * b * s * degree * len(plan[0]) * d
+    dkv_elem = a if _replicated(plan, hk) else e
+
+    def one(nbytes: int) -> dict[str, dict[str, int]]:
+        return exchange_volume(degree, nbytes, whole_group)
+
+    return {"forward": add_volumes(one(seq), one(kv * e), one(seq), one(b * h * s * a)),
+            "backward": add_volumes(one(seq), one(seq), one(kv * dkv_elem))}

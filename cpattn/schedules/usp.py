@@ -1,0 +1,113 @@
+"""USP (unified sequence parallelism): Ulysses inside groups of D ranks, a ring across the groups.
+
+The P ranks form R = P / D Ulysses groups of consecutive ranks: rank r = i*D + u is member u of group
+i. Forward: inside each group, the Ulysses all-to-all (``ulysses.py``) gives every member the group's
+whole token span (its members' local tokens, in order) for h/D of the heads; then the ranks with the
+same u across the groups (u, D + u, 2D + u, ...) run the ring of ``ring.py`` on those head-split
+tensors, so each attends its group's queries to every group's keys under the mask; the all-to-all
+back restores the sequence split. Backward mirrors it: dout to the head split, the backward ring
+(dk/dv travel with their kv), dq and dk/dv back.
+
+Degree D: the ``ulysses_degree`` given to the constructor, else, with a topology, the largest divisor
+of the devices per node that divides the heads (Ulysses inside a node, the ring across nodes), else
+the largest divisor of P that divides the heads. D = P is Ulysses, D = 1 the ring. Everything runs
+on the schedule's own process group: a group's all-to-all is batched point-to-point among its members
+(no sub-groups to create), and the ring sends point-to-point to ring neighbours.
+
+Per rank: the Ulysses exchanges of degree D (see ``ulysses.py``; point-to-point when D < P) plus the
+ring of R ranks carrying the head-split kv (2 b D s K d elements, K kv heads per member) and float32
+dk/dv.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cost.topology import Topology
+from .base import Runtime, Schedule, Shape, Volume
+from .ring import ring_backward, ring_forward, ring_volume
+from .ulysses import (
+    add_volumes,
+    check_heads,
+    divisors,
+    dkv_dtype,
+    gather_dkv,
+    gather_heads,
+    gather_lse,
+    kv_plan,
+    scatter_heads,
+    scatter_kv,
+    ulysses_volume,
+)
+
+
+class USPSchedule(Schedule):
+    name = "usp"
+    layout = "contiguous"
+    masks = "any"
+    custom_layout = True
+    memory = "O(local), 2 kv buffers, head-split q, kv, out kept for the backward"
+    summary = "Ulysses all-to-all inside groups (a node with a topology) x ring across them"
+
+    def __init__(self, ulysses_degree: int | None = None, name: str = "usp") -> None:
+        if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
+            raise ValueError(f"ulysses_degree must be a positive int or None, got {ulysses_degree!r}")
+        self.ulysses_degree = ulysses_degree
+        self.name = name
+
+    def degree(self, heads: int, world: int, topology: Topology | None = None) -> int:
+        """The Ulysses degree D for ``heads`` query heads on ``world`` ranks (see the module doc)."""
+        if self.ulysses_degree is not None:
+            return self.ulysses_degree
+        span = topology.devices_per_node if topology is not None and topology.world == world else world
+        return max(d for d in divisors(heads, span) if span % d == 0)
+
+    def check_shape(self, q: torch.Tensor, k: torch.Tensor, world: int) -> None:
+        d = self.ulysses_degree
+        if d is not None:
+            if world % d:
+                raise ValueError(f"{self.name}: ulysses_degree={d} must divide the group size {world}")
+            check_heads(self.name, q.shape[2], d, world)
+
+    def _groups(self, rt: Runtime, heads: int) -> tuple[int, list[int], list[int]]:
+        """(D, this rank's Ulysses members, this rank's ring)."""
+        d = self.degree(heads, rt.world, rt.topology)
+        i, u = divmod(rt.rank, d)
+        return d, [i * d + x for x in range(d)], [j * d + u for j in range(rt.world // d)]
+
+    @staticmethod
+    def _blocks_of(rt: Runtime, d: int, ring: list[int]):
+        i, n = ring.index(rt.rank), len(ring)
+
+        def group(j: int) -> list[int]:
+            return [j * d + x for x in range(d)]
+
+        return lambda t: rt.blocks(group(i), group((i - t) % n))
+
+    def forward(self, rt: Runtime, q, k, v):
+        d, members, ring = self._groups(rt, q.shape[2])
+        plan = kv_plan(q.shape[2], k.shape[2], d)
+        q_h = scatter_heads(rt, members, q)
+        kv_h = scatter_kv(rt, members, torch.stack([k, v]), plan)
+        out_acc, lse_h = ring_forward(rt, q_h, kv_h, ring, self._blocks_of(rt, d, ring))
+        out_h = out_acc.to(q.dtype)
+        out, lse = gather_heads(rt, members, out_h), gather_lse(rt, members, lse_h)
+        return out, lse, (q_h, kv_h, out_h, lse_h)
+
+    def backward(self, rt: Runtime, dout, q, k, v, out, lse, saved=()):
+        q_h, kv_h, out_h, lse_h = saved
+        d, members, ring = self._groups(rt, q.shape[2])
+        plan = kv_plan(q.shape[2], k.shape[2], d)
+        dout_h = scatter_heads(rt, members, dout)
+        dq_h, dkv_h = ring_backward(rt, dout_h, q_h, kv_h, out_h, lse_h, ring, self._blocks_of(rt, d, ring))
+        dq = gather_heads(rt, members, dq_h.to(q.dtype))
+        dkv = gather_dkv(rt, members, dkv_h, plan, k.shape[2], dkv_dtype(plan, k.shape[2], q.dtype))
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+    def volume(self, shape: Shape, rank: int) -> Volume:
+        d = self.degree(shape.heads, shape.world, shape.topology)
+        uly = ulysses_volume(shape, d, whole_group=d == shape.world)
+        k = len(kv_plan(shape.heads, shape.kv_heads, d)[0])
+        kv_h = 2 * shape.batch * d * shape.local_len * k * shape.head_dim
+        ring = ring_volume(shape.world // d, kv_h * shape.elem, kv_h * shape.acc_elem)
+        return {phase: add_volumes(uly[phase], ring[phase]) for phase in ("forward", "backward")}

@@ -1,0 +1,483 @@
+"""Cost model: topologies, collectives, schedule steps and estimates, simulator, profiles, "auto"."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpattn
+from cpattn import bench, cli, masks, schedules
+from cpattn.api import _auto_schedule
+from cpattn.cost import (
+    CommOp,
+    Device,
+    Link,
+    Problem,
+    Task,
+    Topology,
+    calibrate,
+    choose,
+    declares_steps,
+    estimate,
+    lane,
+    op_time,
+    pair_work,
+    preset,
+    presets,
+    profile,
+    rank_schedules,
+    simulate,
+    transfer,
+)
+from cpattn.cost.device import RatePoint
+from cpattn.cost.pairs import EnumeratedPairs
+from cpattn.cost.steps import COMM_OPS
+from cpattn.layout import Layout
+from cpattn.schedules.base import Schedule, Shape
+
+BASELINES = ("ring", "zigzag_ring", "stripe_ring", "allgather")
+RINGX = ("ringx1", "ringx1o", "ringx2", "ringx2o", "ringx3", "ringx3b", "ringx4", "ringx4o")
+
+
+def _faster(topo: Topology, factor: float) -> Topology:
+    """``topo`` with every link ``factor`` times the bandwidth."""
+    scale = lambda ln: Link(ln.latency, ln.bandwidth * factor)  # noqa: E731
+    return dataclasses.replace(topo, intra=scale(topo.intra), inter=scale(topo.inter),
+                               op_links=tuple((op, scale(ln)) for op, ln in topo.op_links))
+
+
+def _modelled(mask_name: str) -> list[str]:
+    """Every registered schedule that runs ``mask_name`` and declares its steps."""
+    out = []
+    for name in schedules.names():
+        try:
+            schedules.get(name).check_mask(masks.resolve(mask_name))
+        except (ValueError, NotImplementedError):
+            continue
+        if declares_steps(name):
+            out.append(name)
+    return out
+
+
+# ------------------------------------------------------------------ topology and presets
+def test_topology_keeps_its_two_argument_form():
+    topo = Topology(2, 4)
+    assert topo.world == 8 and topo.node_of(5) == 1 and topo.local_index(5) == 1
+    assert Topology(2, 4) == Topology(2, 4)  # hashable value, as comm.py keys groups by it
+    with pytest.raises(ValueError, match="devices_per_node"):
+        Topology(2, 0)
+
+
+def test_presets_map_worlds_to_nodes():
+    frontier = preset("frontier", 64)
+    assert (frontier.nodes, frontier.devices_per_node, frontier.nics_per_node) == (8, 8, 4)
+    assert [frontier.nic_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # one NIC per MI250X
+    small = preset("dgx-h100", 4)
+    assert (small.nodes, small.devices_per_node) == (1, 4)
+    with pytest.raises(ValueError, match="multiple of it"):
+        preset("frontier", 12)
+    with pytest.raises(ValueError, match="accepted"):
+        preset("summit", 8)
+
+
+# ------------------------------------------------------------------ collectives
+@settings(max_examples=150, deadline=None)
+@given(op=st.sampled_from(COMM_OPS), nbytes=st.integers(0, 1 << 30), nodes=st.sampled_from([1, 2, 3, 8]),
+       per_node=st.sampled_from([1, 2, 8]), nics=st.sampled_from([1, 4, 8]), group=st.sampled_from(["world", "node",
+                                                                                                    "rail"]),
+       peer=st.integers(1, 9), factor=st.floats(1.0, 100.0), hier=st.booleans())
+def test_more_bandwidth_is_never_slower(op, nbytes, nodes, per_node, nics, group, peer, factor, hier):
+    topo = Topology(nodes, per_node, intra=Link(5e-6, 50e9), inter=Link(1e-5, 25e9), nics_per_node=nics)
+    comm = CommOp(op, nbytes, group=group, peer=peer,
+                  hierarchical=hier and op in ("all_gather", "reduce_scatter"))
+    t = op_time(comm, topo)
+    assert t >= 0 and math.isfinite(t)
+    assert op_time(comm, _faster(topo, factor)) <= t * (1 + 1e-12)
+    slower = dataclasses.replace(topo, intra=Link(1e-4, 50e9), inter=Link(1e-4, 25e9))
+    assert op_time(comm, slower) >= t * (1 - 1e-12)
+
+
+def test_collective_formulas():
+    link = Link(2e-6, 10e9)
+    node = Topology(1, 8, intra=link)
+    n = 1 << 20
+    assert op_time(CommOp("all_gather", n), node) == pytest.approx(7 * (2e-6 + n / 10e9))
+    assert op_time(CommOp("broadcast", n), node) == pytest.approx(3 * 2e-6 + n / 10e9)
+    assert op_time(CommOp("all_reduce", n), node) == pytest.approx(14 * (2e-6 + n / 8 / 10e9))
+    multi = Topology(4, 8, intra=Link(1e-6, 400e9), inter=Link(5e-6, 50e9), nics_per_node=8)
+    flat, hier = CommOp("all_gather", n), CommOp("all_gather", n, hierarchical=True)
+    rail, inner = op_time(CommOp("all_gather", n, group="rail"), multi), op_time(CommOp("all_gather", 4 * n,
+                                                                                         group="node"), multi)
+    assert op_time(hier, multi) == pytest.approx(rail + inner)  # two levels, summed
+    assert op_time(flat, multi) == pytest.approx(31 * (5e-6 + n / 400e9))  # one ring per NIC: 8 x 50 GB/s
+
+
+def test_ring_shift_uses_one_nic_and_rails_share_them():
+    n = 1 << 24
+    topo = Topology(4, 8, intra=Link(1e-6, 400e9), inter=Link(5e-6, 50e9), nics_per_node=8)
+    # a ring step: only the last device of each node sends off-node, through one NIC
+    assert op_time(CommOp("sendrecv", n), topo) == pytest.approx(topo.inter.time(n))
+    shared = dataclasses.replace(topo, nics_per_node=2)
+    rail = CommOp("all_gather", n, group="rail")
+    assert op_time(rail, shared) == pytest.approx(3 * (5e-6 + n / 12.5e9))  # 8 rails on 2 NICs: a quarter each
+    # a shift by a whole node: every device leaves the node, 4 flows per NIC
+    assert op_time(CommOp("sendrecv", n, peer=8), shared) == pytest.approx(5e-6 + 4 * n / 50e9)
+
+
+# ------------------------------------------------------------------ block pairs and steps
+@pytest.mark.parametrize("layout_name", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("mask_name", ["causal", "full"])
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_closed_forms_equal_the_run_time_blocks(layout_name, mask_name, world):
+    mask, layout, seq = masks.resolve(mask_name), Layout(layout_name), 2 * world * 6
+    closed = pair_work(mask, layout, seq, world)
+    enumerated = EnumeratedPairs(mask, layout, seq, world)
+    assert type(closed).__name__ == ("TriangularPairs" if world > 1 else "EnumeratedPairs")
+    for i in range(world):
+        assert closed.by_q_rank(i) == enumerated.by_q_rank(i)
+        assert closed.by_kv_rank(i) == enumerated.by_kv_rank(i)
+        for j in range(world):
+            assert closed.pair(i, j) == enumerated.pair(i, j)
+    for t in range(world):
+        assert closed.by_offset(t) == enumerated.by_offset(t)
+    assert closed.remote_rows() == enumerated.remote_rows()
+    total = sum(k.area * calls * ranks for t in range(world) for w, ranks in closed.by_offset(t) for k, calls in w)
+    assert total == Problem(seq, world, mask_name).allowed_pairs()
+
+
+def _accounting(steps, world: int, rank: int) -> dict:
+    out: dict[str, list[int]] = {}
+    for step in steps:
+        for op in step.comm:
+            for kind, (calls, sent, recv) in op.accounting(rank, world).items():
+                acc = out.setdefault(kind, [0, 0, 0])
+                acc[0], acc[1], acc[2] = acc[0] + calls, acc[1] + sent, acc[2] + recv
+    return {k: {"calls": v[0], "bytes_sent": v[1], "bytes_recv": v[2]} for k, v in out.items()}
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "full"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_steps_add_up_to_the_declared_volume(mask_name, world):
+    """Every schedule that declares steps: their ops, summed, are exactly its volume() on every rank."""
+    for name in _modelled(mask_name):
+        sched = schedules.get(name)
+        problem = Problem(4 * world * 8, world, mask_name, batch=2, heads=4, kv_heads=2, head_dim=8)
+        shape = Shape.of_problem(problem)
+        for phase in ("forward", "backward"):
+            steps = sched.steps(problem, phase)
+            for step in steps:
+                assert sum(n for _, n in step.work) in (0, world), (name, phase)
+            for rank in range(world):
+                expected = {op: v for op, v in sched.volume(shape, rank)[phase].items() if v["calls"]}
+                assert _accounting(steps, world, rank) == expected, (name, phase, rank)
+
+
+def test_baselines_declare_steps_and_later_schedules_need_not():
+    assert all(declares_steps(n) for n in (*BASELINES, *RINGX))
+    assert set(RINGX) <= set(_modelled("causal")) | set(_modelled("full"))  # volumes cross-checked above
+
+    class Unmodelled(Schedule):
+        name = "unmodelled"
+
+    problem = Problem(64, 2, "causal")
+    with pytest.raises(NotImplementedError, match="'unmodelled'.*steps"):
+        estimate(Unmodelled(), problem, preset("dgx-h100", 2))
+
+
+# ------------------------------------------------------------------ estimates
+@pytest.mark.parametrize("mask_name", ["causal", "full"])
+@pytest.mark.parametrize("world", [8, 64])
+def test_estimates_are_monotone_in_bandwidth(mask_name, world):
+    problem = Problem(world * 4096, world, mask_name)
+    topo = preset("frontier", world)
+    for name in _modelled(mask_name):
+        base = estimate(name, problem, topo)
+        fast = estimate(name, problem, _faster(topo, 4.0))
+        assert fast.total <= base.total * (1 + 1e-12), name
+        assert fast.compute == pytest.approx(base.compute), name
+        assert base.compute <= base.total <= base.compute + base.comm + 1e-12, name
+        assert base.exposed_comm == pytest.approx(base.total - base.compute), name
+
+
+@pytest.mark.parametrize("name", ["ring", "zigzag_ring"])
+def test_ring_traffic_grows_with_ranks_at_fixed_work_per_rank(name):
+    previous = None
+    for world in (2, 4, 8, 16, 64, 256):
+        e = estimate(name, Problem(world * 2048, world, "causal"), preset("frontier", world))
+        if previous is not None:
+            assert e.bytes_per_rank >= previous.bytes_per_rank and e.comm >= previous.comm
+        previous = e
+
+
+def test_no_overlap_means_compute_plus_communication():
+    topo = dataclasses.replace(preset("dgx-h100", 8), overlap=0.0)
+    e = estimate("ring", Problem(8 * 1024, 8, "full"), topo)
+    assert e.total == pytest.approx(e.compute + e.comm)
+
+
+def test_estimate_rejects_mismatched_worlds_and_masks():
+    with pytest.raises(ValueError, match="world=8"):
+        estimate("ring", Problem(1024, 8), preset("dgx-h100", 4))
+    with pytest.raises(NotImplementedError, match="supports masks"):
+        estimate("stripe_ring", Problem(1024, 4, masks.from_mask_mod(lambda q, k: k <= q)), preset("dgx-h100", 4))
+
+
+def test_thousands_of_ranks_estimate_fast():
+    t0 = time.perf_counter()
+    for mask_name in ("causal", "full"):
+        problem = Problem(1 << 20, 4096, mask_name)
+        for name in BASELINES:
+            estimate(name, problem, preset("frontier", 4096))
+    assert time.perf_counter() - t0 < 10.0
+
+
+
+def _mask_of(name: str) -> str:
+    """A mask ``name`` runs: causal when it can, else full."""
+    return "causal" if schedules.get(name).causal else "full"
+
+
+@pytest.mark.parametrize("name", [*BASELINES, *RINGX])
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_steps_compute_every_allowed_pair_once(name, world):
+    mask_name = _mask_of(name)
+    problem = Problem(2 * world * 6, world, mask_name, heads=4, kv_heads=2, head_dim=8)
+    for phase in ("forward", "backward"):
+        steps = schedules.get(name).steps(problem, phase)
+        done = sum(k.area * calls * ranks for st_ in steps for w, ranks in st_.work for k, calls in w)
+        assert done == problem.allowed_pairs(), (name, phase)
+
+
+@pytest.mark.parametrize("name", RINGX)
+def test_every_ringx_variant_estimates_at_scale(name):
+    """Each RingX variant is estimable at 8 and 4,096 GCDs; the broadcast-based ones keep O(local) memory."""
+    t0 = time.perf_counter()
+    results = {}
+    for world in (8, 4096):
+        problem = Problem(world * 1024, world, _mask_of(name))
+        e = estimate(name, problem, preset("frontier", world))
+        assert math.isfinite(e.total) and 0 < e.compute <= e.total <= (e.compute + e.comm) * (1 + 1e-12)
+        assert e.bytes_per_rank > 0 and e.flops == problem.flops("forward+backward")
+        results[world] = e
+    assert time.perf_counter() - t0 < 3.0
+    if name not in ("ringx3", "ringx3b"):
+        assert results[4096].peak_memory == results[8].peak_memory
+    else:
+        assert results[4096].peak_memory > 100 * results[8].peak_memory
+
+
+@pytest.mark.parametrize("plain", ["ringx1", "ringx2", "ringx4"])
+@pytest.mark.parametrize("world", [4, 8, 64])  # (at 2 ranks X2 has one shared step: nothing to pipeline)
+def test_pipelined_ringx_hides_communication_with_a_second_buffer(plain, world):
+    problem = Problem(world * 2048, world, _mask_of(plain))
+    topo = preset("frontier", world)
+    base, piped = estimate(plain, problem, topo), estimate(plain + "o", problem, topo)
+    assert piped.compute == pytest.approx(base.compute) and piped.bytes_per_rank == base.bytes_per_rank
+    assert base.total == pytest.approx(base.compute + base.comm)  # every op waited before the next compute
+    assert piped.total < base.total and piped.peak_memory > base.peak_memory
+
+
+def test_ringx2_skips_the_steps_nobody_shares():
+    problem = Problem(4 * 64, 4, "causal", heads=4, kv_heads=2, head_dim=8)
+    sched = schedules.get("ringx2")
+    forward, backward = sched.steps(problem, "forward"), sched.steps(problem, "backward")
+    assert len(forward) == len(backward) == 4  # the unshared diagonal, then P - 1 owners
+    assert not forward[0].comm and [n for _, n in forward[0].work] == [3, 1]  # only rank 0 computes
+    assert [op.root for st_ in forward[1:] for op in st_.comm if op.op == "broadcast"] == [1, 2, 3]
+    assert [op.root for st_ in backward[1:] for op in st_.comm if op.op == "broadcast"] == [0, 1, 2]
+
+
+def test_causal_imbalance_of_the_contiguous_ring():
+    problem = Problem(8 * 8192, 8, "causal")
+    ring, zigzag = (estimate(n, problem, preset("dgx-h100", 8)) for n in ("ring", "zigzag_ring"))
+    assert 1.6 < ring.compute / zigzag.compute < 2.1  # the busiest rank does about twice the balanced work
+
+
+def test_device_rates_grow_with_block_size_and_follow_measurements():
+    dev = preset("dgx-h100", 8).device
+    rates = [dev.rate("forward", "full", n, n) for n in (64, 256, 1024, 8192)]
+    assert rates == sorted(rates) and rates[-1] <= dev.forward_flops
+    pts = (RatePoint("forward", "full", 256, 256, 1e9), RatePoint("forward", "full", 1024, 1024,
+                                                                                        4e9))
+    measured = dataclasses.replace(dev, table=pts)
+    assert measured.rate("forward", "full", 64, 64) == 1e9 and measured.rate("forward", "full", 4096, 4096) == 4e9
+    assert measured.rate("forward", "full", 512, 512) == pytest.approx(2e9)  # log-log midpoint
+    assert measured.rate("forward", "causal", 512, 512) == pytest.approx(2e9 * dev.causal_efficiency)
+
+
+# ------------------------------------------------------------------ simulator
+def test_simulator_respects_lanes_dependencies_and_order():
+    topo = Topology(2, 2, intra=Link(0.0, 1.0), inter=Link(1.0, 1.0))
+    tasks = [
+        Task("a", 2.0, (lane(0, "compute"),)),
+        Task("b", 1.0, (lane(0, "compute"),)),
+        transfer("t", 0, 2, 3.0, topo, deps=["a"]),  # across nodes: 1 + 3 seconds
+        Task("c", 1.0, (lane(2, "compute"),), deps=("t",)),
+        Task("d", 5.0, (lane(1, "compute"),)),
+    ]
+    tl = simulate(tasks)
+    assert (tl.start["a"], tl.start["b"]) == (0.0, 2.0)  # one lane, in the given order
+    assert tl.start["t"] == 2.0 and tl.end["t"] == 6.0 and tl.start["c"] == 6.0
+    assert tl.makespan == 7.0 and tl.busy(lane(0, "compute")) == 3.0
+    assert [iv.task for iv in tl.lanes[lane(0, "send")]] == ["t"]
+    reordered = simulate(tasks, order={lane(0, "compute"): ["b", "a"]})
+    assert reordered.start["b"] == 0.0 and reordered.start["a"] == 1.0 and reordered.makespan == 8.0
+
+
+def test_simulator_rejects_bad_graphs():
+    with pytest.raises(ValueError, match="unknown task 'x'"):
+        simulate([Task("a", 1.0, ("l",), deps=("x",))])
+    with pytest.raises(ValueError, match="cycle"):
+        simulate([Task("a", 1.0, ("l",), deps=("b",)), Task("b", 1.0, ("m",), deps=("a",))])
+    with pytest.raises(ValueError, match="duration"):
+        simulate([Task("a", -1.0, ("l",))])
+
+
+# ------------------------------------------------------------------ profiles
+def _profile() -> profile.Profile:
+    pts = tuple(RatePoint(ph, kind, n, n, 1e10 * (i + 1)) for i, (ph, kind, n) in enumerate(
+        (ph, kind, n) for ph in ("forward", "backward") for kind in ("full", "causal") for n in (256, 1024)))
+    return profile.Profile(pts, {"sendrecv": Link(5e-5, 2e9), "all_gather": Link(1e-4, 5e8)}, 8e9, 0.4, 2, 2, 1,
+                           16 * 2**30, {"torch": "x"})
+
+
+def test_profile_round_trips(tmp_path):
+    path = profile.save(_profile(), tmp_path / "p.json")
+    assert profile.load(path) == _profile()
+    topo = presets.local(4, profile.load(path))
+    assert topo.name == "local" and topo.world == 4 and topo.link_for("all_gather") == Link(1e-4, 5e8)
+    # 4 ranks on 2 cores get half the core each rank had at calibration
+    assert topo.device.rate("forward", "full", 256, 256) == pytest.approx(0.5e10)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(version=99), "version 99"),
+    (lambda d: d.pop("links"), "missing links"),
+    (lambda d: d["links"]["sendrecv"].update(bandwidth=-1.0), "links.sendrecv.bandwidth must be > 0"),
+    (lambda d: d["kernels"][0].update(kind="sparse"), r"kernels\[0\].*unknown"),
+    (lambda d: d.update(overlap=2.0), "overlap must be in"),
+    (lambda d: d.update(schema="other"), "schema"),
+])
+def test_bad_profiles_are_rejected_clearly(tmp_path, edit, message):
+    data = _profile().to_json()
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(profile.ProfileError, match=message) as info:
+        profile.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_unreadable_profiles_name_the_fix(tmp_path):
+    with pytest.raises(profile.ProfileError, match="cpattn calibrate"):
+        profile.load(tmp_path / "missing.json")
+    (tmp_path / "junk.json").write_text("{not json")
+    with pytest.raises(profile.ProfileError, match="not valid JSON"):
+        profile.load(tmp_path / "junk.json")
+
+
+def test_default_profile_location_is_configurable(tmp_path, monkeypatch):
+    monkeypatch.setenv(profile.PROFILE_ENV, str(tmp_path / "mine.json"))
+    assert profile.default_path() == tmp_path / "mine.json"
+    assert profile.load_default() is None
+    monkeypatch.delenv(profile.PROFILE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert profile.default_path() == tmp_path / "cpattn" / "profile.json"
+
+
+def test_calibration_smoke(tmp_path):
+    """A tiny calibration on a real 2-rank gloo world gives a valid, usable profile."""
+    prof = calibrate.calibrate(calibrate.QUICK)
+    path = profile.save(prof, tmp_path / "p.json")
+    loaded = profile.load(path)
+    assert set(loaded.links) == set(calibrate.CALIBRATED_OPS) and 0.0 <= loaded.overlap <= 1.0
+    assert {(p.phase, p.kind) for p in loaded.kernels} == {(ph, k) for ph in ("forward", "backward")
+                                                           for k in ("full", "causal", "partial")}
+    assert estimate("ring", Problem(1024, 2, "causal", dtype="float32"), presets.local(2, loaded)).total > 0
+
+
+# ------------------------------------------------------------------ schedule="auto"
+@pytest.fixture
+def no_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv(profile.PROFILE_ENV, str(tmp_path / "none.json"))
+
+
+@pytest.mark.parametrize("mask", ["causal", "full", masks.sliding_window(100)])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_auto_is_deterministic_and_picks_a_supporting_schedule(no_profile, mask, world):
+    mask = masks.resolve(mask)
+    seq = 512 * world
+    picks = {_auto_schedule(mask, seq, world, None)[0] for _ in range(3)}
+    topo_picks = {_auto_schedule(mask, seq, world, preset("frontier", world))[0] for _ in range(2)}
+    assert len(picks) == 1 and len(topo_picks) == 1
+    for name in picks | topo_picks:
+        sched = schedules.get(name)
+        sched.check_mask(mask)
+        Layout(sched.layout_for(mask)).check(seq, world)
+        assert declares_steps(name)
+
+
+def test_auto_skips_layouts_that_cannot_split_and_memory_hogs(no_profile):
+    odd = Problem(3 * 4, 4, "causal", heads=4, kv_heads=2, head_dim=8)  # 12 tokens: no zigzag over 4 ranks
+    ranked = dict(rank_schedules(odd, presets.local(4)))
+    assert isinstance(ranked["zigzag_ring"], str) and "multiple of 8" in ranked["zigzag_ring"]
+    problem = Problem(8 * 4096, 8, "full", heads=8, kv_heads=8, head_dim=64)
+    topo = preset("dgx-h100", 8)
+    ring, gather = (estimate(n, problem, topo).peak_memory for n in ("ring", "allgather"))
+    assert ring < gather
+    tiny = dataclasses.replace(topo, device=Device("tiny", 1e12, 1e12, 1e12, memory=(ring + gather) // 2))
+    ranked = dict(rank_schedules(problem, tiny))
+    assert "GiB per rank" in ranked["allgather"] and choose(problem, tiny)[0] != "allgather"
+
+
+def test_context_parallel_auto_reports_and_logs_its_choice(no_profile, caplog):
+    with caplog.at_level(logging.DEBUG, logger="cpattn.api"):
+        cp = cpattn.ContextParallel(1024, "causal", schedule="auto")
+    assert cp.schedule_name in schedules.names()
+    assert any("chose" in r.message and cp.schedule_name in r.message for r in caplog.records)
+
+
+def test_auto_survives_a_broken_profile(tmp_path, monkeypatch, caplog):
+    bad = tmp_path / "broken.json"
+    bad.write_text("{}")
+    monkeypatch.setenv(profile.PROFILE_ENV, str(bad))
+    with caplog.at_level(logging.WARNING, logger="cpattn.api"):
+        name, _ = _auto_schedule(masks.causal(), 1024, 2, None)
+    assert name in schedules.names() and any("ignoring the calibration profile" in r.message for r in caplog.records)
+
+
+# ------------------------------------------------------------------ bench --predict and simulate
+def _bench_result(world: int = 2, seq: int = 2048) -> dict:
+    cfg = bench.BenchConfig(world=world, seq=seq, mask="causal")
+    rows = [dataclasses.asdict(bench.BenchRow(n, fwd_s=0.1 * (i + 1), fwd_bwd_s=0.3 * (i + 1)))
+            for i, n in enumerate(BASELINES)]
+    rows.append(dataclasses.asdict(bench.BenchRow("broken", ok=False, note="WRONG")))
+    return {"config": dataclasses.asdict(cfg), "rows": rows, "baseline": {},
+            "environment": {"cores": 2, "threads_per_rank": 1}}
+
+
+def test_bench_predict_adds_predictions_and_the_median_error(no_profile):
+    result = bench.predict(_bench_result())
+    for row in result["rows"][:-1]:
+        assert row["pred_fwd_bwd_s"] > 0 and row["pred_fwd_s"] > 0
+        assert row["pred_error"] == pytest.approx((row["pred_fwd_bwd_s"] - row["fwd_bwd_s"]) / row["fwd_bwd_s"])
+    summary = result["prediction"]
+    assert summary["rows"] == len(BASELINES) and summary["median_abs_error"] >= 0
+    assert bench.prediction_summary([result, bench.predict(_bench_result(4, 4096))])["rows"] == 2 * len(BASELINES)
+
+
+def test_simulate_command_prints_and_plots(tmp_path, capsys):
+    plot, out = tmp_path / "s.png", tmp_path / "s.json"
+    rc = cli.main(["simulate", "--topology", "dgx-h100", "--gpus", "8,64", "--seq", "65536", "--mask", "causal",
+                   "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--plot", str(plot), "--json", str(out)])
+    assert rc == 0 and plot.stat().st_size > 1000
+    rows = json.loads(out.read_text())
+    assert {r["schedule"] for r in rows} >= {"ring", "zigzag_ring"} and all(r["estimate"] for r in rows)
+    assert "zigzag_ring" in capsys.readouterr().out
