@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from . import masks
-from .layout import Layout
 from .verify import DTYPES
 
 #: relative error against the one-process result above which a schedule is reported wrong
@@ -34,12 +33,14 @@ class BenchConfig:
     heads: int = 8
     kv_heads: int = 2
     head_dim: int = 64
-    mask: str = "causal"
+    mask: str | dict = "causal"  # "causal", "full" or a mask spec (cpattn.masks.from_spec)
     dtype: str = "float32"
     warmup: int = 1
     iters: int = 3
     threads: int = 0  # per rank; 0 = cores // world (at least 1)
     seed: int = 0
+    topology: tuple[int, int] | None = None  # (nodes, devices per node) given to ContextParallel
+    layout: str | None = None  # None = each schedule's own; "balanced" etc. for schedules that accept one
 
     def threads_per_rank(self) -> int:
         return self.threads or max(1, (os.cpu_count() or 1) // self.world)
@@ -118,14 +119,19 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rank_bench(schedule: str, cfg: dict) -> dict:
-    """Runs on every rank: one checked call, then warm-up and timed iterations."""
+def rank_bench(schedule: str, cfg: dict, baseline: bool = False) -> dict:
+    """Runs on every rank: one checked call, then warm-up and timed iterations. The one-process
+    ``baseline`` ignores the topology and layout."""
     from .api import ContextParallel
+    from .cost import Topology
+    from .layout import work_report
 
     c = BenchConfig(**cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     x = _inputs(c, device)
-    cp = ContextParallel(c.seq, c.mask, schedule)
+    topology = Topology(*c.topology) if c.topology is not None and not baseline else None
+    cp = ContextParallel(c.seq, c.mask, schedule, topology=topology, layout=None if baseline else c.layout)
+    work = work_report(cp.layout, cp.mask, cp.padded_len, cp.world_size, cp.seq_len) if cp.rank == 0 else None
     q, k, v, dout = (cp.shard(x[n]) for n in ("q", "k", "v", "dout"))
     del x
 
@@ -154,7 +160,8 @@ def rank_bench(schedule: str, cfg: dict) -> dict:
             if it >= c.warmup:
                 times[phase].append(time.perf_counter() - t0)
     return {"rank": cp.rank, "positions": cp.positions().numpy(), "check": check, "times": times,
-            "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"], "peak": mem.peak}
+            "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"], "peak": mem.peak,
+            "work": None if work is None else {"max": work.max, "mean": work.mean, "imbalance": work.imbalance}}
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -163,12 +170,13 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return err if np.isfinite(err) else float("inf")
 
 
-def _assemble(per_rank: list[dict], name: str) -> np.ndarray:
+def _assemble(per_rank: list[dict], name: str, seq: int) -> np.ndarray:
+    """The full-sequence tensor from every rank's local piece (padding rows, position -1, dropped)."""
     first = per_rank[0]["check"][name]
-    full = np.full((first.shape[0], sum(len(r["positions"]) for r in per_rank), *first.shape[2:]), np.nan,
-                   dtype=np.float32)
+    full = np.full((first.shape[0], seq, *first.shape[2:]), np.nan, dtype=np.float32)
     for r in per_rank:
-        full[:, r["positions"]] = r["check"][name]
+        real = r["positions"] >= 0
+        full[:, r["positions"][real]] = r["check"][name][:, real]
     return full
 
 
@@ -193,7 +201,10 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
     for name in schedule_names:
         sched = schedules.get(name)
         sched.check_mask(mask)
-        Layout(sched.layout_for(mask)).check(cfg.seq, cfg.world)
+        if cfg.layout is not None and not sched.custom_layout:
+            raise ValueError(f"schedule {name!r} runs only on its own layout, not layout={cfg.layout!r}")
+    if cfg.topology is not None and cfg.topology[0] * cfg.topology[1] != cfg.world:
+        raise ValueError(f"topology {cfg.topology[0]} x {cfg.topology[1]} does not have {cfg.world} ranks")
     say = progress or (lambda msg: None)
     tpr = cfg.threads_per_rank()
     fwd_flops, total_flops = flops(cfg)
@@ -204,11 +215,12 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
 
     say(f"one process, {tpr * cfg.world} threads, S={cfg.seq}")
     with LocalWorld(1, threads=tpr * cfg.world) as w:
-        base = w.run(rank_bench, timeout=timeout, name="one process", schedule="ring", cfg=asdict(cfg))
+        base = w.run(rank_bench, timeout=timeout, name="one process", schedule="ring", cfg=asdict(cfg),
+                     baseline=True)
     if fail(base):
         raise RuntimeError(f"the one-process baseline failed: {fail(base)}")
     base_fb, base_f = _slowest_median(base, "fwd_bwd"), _slowest_median(base, "fwd")
-    ref = {n: _assemble(base, n) for n in ("out", "dq", "dk", "dv")}
+    ref = {n: _assemble(base, n, cfg.seq) for n in ("out", "dq", "dk", "dv")}
     rows = []
     with LocalWorld(cfg.world, threads=tpr) as w:
         for name in schedule_names:
@@ -219,7 +231,7 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
                 row.ok, row.note = False, fail(res)
                 rows.append(row)
                 continue
-            row.error = max(_rel(_assemble(res, n), ref[n]) for n in ref)
+            row.error = max(_rel(_assemble(res, n, cfg.seq), ref[n]) for n in ref)
             if not row.error <= CHECK_TOLERANCE[cfg.dtype]:
                 row.ok, row.note = False, f"WRONG: relative error {row.error:.2e} vs one process"
                 rows.append(row)
@@ -230,6 +242,7 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
             row.bytes_sent = max(r["bytes_sent"] for r in res)
             row.bytes_recv = max(r["bytes_recv"] for r in res)
             row.peak_mem_bytes = max(r["peak"] for r in res)
+            row.extra["work"] = res[0]["work"]
             rows.append(row)
     baseline = {"fwd_s": base_f, "fwd_bwd_s": base_fb, "peak_mem_bytes": base[0]["peak"],
                 "tflops": total_flops / base_fb / 1e12, "fwd_flops": fwd_flops, "fwd_bwd_flops": total_flops}
@@ -261,8 +274,11 @@ def predict(result: dict, profile=None) -> dict:
         if not row["ok"]:
             continue
         try:
-            fwd = estimate(row["schedule"], problem, topo, "forward").total
-            both = estimate(row["schedule"], problem, topo, "forward+backward").total
+            if row["schedule"] == "ultra":
+                fwd, both = _plan_prediction(cfg, topo)
+            else:
+                fwd = estimate(row["schedule"], problem, topo, "forward").total
+                both = estimate(row["schedule"], problem, topo, "forward+backward").total
         except NotImplementedError as exc:
             row["extra"]["prediction"] = str(exc)
             continue
@@ -271,6 +287,16 @@ def predict(result: dict, profile=None) -> dict:
         row["pred_error"] = (both - row["fwd_bwd_s"]) / row["fwd_bwd_s"]
     result["prediction"] = {"topology": topo.name, **prediction_summary([result])}
     return result
+
+
+def _plan_prediction(cfg: dict, topo) -> tuple[float, float]:
+    """``ultra``'s predicted (forward, forward + backward) seconds: its plan's simulated makespans,
+    planned for the same problem on ``topo`` (the calibrated local topology)."""
+    from .planner import get_plan, request
+
+    plan = get_plan(request(cfg["mask"], cfg["seq"], topo, cfg["batch"], cfg["heads"], cfg["kv_heads"],
+                            cfg["head_dim"], cfg["dtype"]))
+    return plan.forward.predicted, plan.forward.predicted + plan.backward.predicted
 
 
 def prediction_summary(results: list[dict]) -> dict:
@@ -289,19 +315,28 @@ def render(result: dict):
 
     cfg, env, base = result["config"], result["environment"], result["baseline"]
     predicted = "prediction" in result
-    title = (f"cpattn bench: P={cfg['world']} S={cfg['seq']} b={cfg['batch']} h={cfg['heads']}:{cfg['kv_heads']} "
-             f"d={cfg['head_dim']} {cfg['mask']} {cfg['dtype']} | {env['cores']} cores, "
+    mask = cfg["mask"] if isinstance(cfg["mask"], str) else json.dumps(cfg["mask"], separators=(",", ":"))
+    where = f"P={cfg['world']}"
+    if cfg.get("topology"):
+        where += f" ({cfg['topology'][0]}x{cfg['topology'][1]})"
+    if cfg.get("layout"):
+        where += f" layout={cfg['layout']}"
+    title = (f"cpattn bench: {where} S={cfg['seq']} b={cfg['batch']} h={cfg['heads']}:{cfg['kv_heads']} "
+             f"d={cfg['head_dim']} {mask} {cfg['dtype']} | {env['cores']} cores, "
              f"{env['threads_per_rank']} threads/rank, torch {env['torch']}, {env['backend']}")
+    ok = {r["schedule"]: r for r in result["rows"] if r["ok"]}
+    refs = [n for n in ("ring", "zigzag_ring") if n in ok]
     caption = (f"one process ({env['threads_per_rank'] * cfg['world']} threads): "
                f"fwd {base['fwd_s'] * 1e3:.1f} ms, fwd+bwd {base['fwd_bwd_s'] * 1e3:.1f} ms; "
                "times: median over iterations of the slowest rank; "
-               "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd")
+               "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd; vs X = T(X) / T(schedule), "
+               "forward+backward; layout work max/mean = allowed pairs of the busiest rank's queries over the mean")
     if predicted:
         caption += (f"; predicted on topology {result['prediction']['topology']!r}, "
                     "error = (predicted - measured) / measured")
     t = Table(title=title, caption=caption)
-    cols = ["schedule", "fwd ms", "fwd+bwd ms", "TFLOP/s/rank", "vs 1 proc", "sent MB/rank", "recv MB/rank",
-            "peak MB/rank", "max rel err"]
+    cols = ["schedule", "fwd ms", "fwd+bwd ms", "TFLOP/s/rank", "vs 1 proc", *[f"vs {n}" for n in refs],
+            "sent MB/rank", "recv MB/rank", "peak MB/rank", "layout work max/mean", "max rel err"]
     if predicted:
         cols += ["pred fwd ms", "pred fwd+bwd ms", "pred err"]
     for col in cols:
@@ -310,9 +345,12 @@ def render(result: dict):
         if not r["ok"]:
             t.add_row(r["schedule"], "[red]" + r["note"][:80] + "[/red]", *[""] * (len(cols) - 2))
             continue
+        work = r["extra"].get("work")
         cells = [r["schedule"], f"{r['fwd_s'] * 1e3:.1f}", f"{r['fwd_bwd_s'] * 1e3:.1f}",
-                 f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x", f"{r['bytes_sent'] / 1e6:.1f}",
-                 f"{r['bytes_recv'] / 1e6:.1f}", f"{r['peak_mem_bytes'] / 1e6:.1f}", f"{r['error']:.1e}"]
+                 f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x",
+                 *[f"{ok[n]['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}x" for n in refs],
+                 f"{r['bytes_sent'] / 1e6:.1f}", f"{r['bytes_recv'] / 1e6:.1f}", f"{r['peak_mem_bytes'] / 1e6:.1f}",
+                 f"{work['imbalance']:.2f}" if work else "-", f"{r['error']:.1e}"]
         if predicted:
             if np.isfinite(r["pred_error"]):
                 cells += [f"{r['pred_fwd_s'] * 1e3:.1f}", f"{r['pred_fwd_bwd_s'] * 1e3:.1f}",

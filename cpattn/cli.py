@@ -35,7 +35,8 @@ def _cmd_schedules(args) -> int:
     return 0
 
 
-def _supporting(names: list[str] | None, mask_name: str) -> list[str]:
+def _supporting(names: list[str] | None, mask_name, layout: str | None = None) -> list[str]:
+    """``names``, or every registered schedule that runs ``mask_name`` (and accepts ``layout``)."""
     from . import schedules
     from .masks import resolve
 
@@ -44,12 +45,43 @@ def _supporting(names: list[str] | None, mask_name: str) -> list[str]:
         return names
     out = []
     for name in schedules.names():
+        sched = schedules.get(name)
         try:
-            schedules.get(name).check_mask(mask)
+            sched.check_mask(mask)
         except (ValueError, NotImplementedError):
             continue
-        out.append(name)
+        if layout is None or sched.custom_layout:
+            out.append(name)
     return out
+
+
+def _masks_arg(text: str) -> list:
+    """``--mask``: comma-separated names (causal, full), or one JSON mask spec / a JSON list of them
+    (cpattn.masks.from_spec), e.g. '{"kind": "strided", "block_size": 1024, "stride": 4}'."""
+    import json
+
+    text = text.strip()
+    if text.startswith(("{", "[")):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"--mask is not valid JSON: {exc}") from None
+        return value if isinstance(value, list) else [value]
+    return [x for x in text.split(",") if x]
+
+
+def _topology_arg(text: str) -> tuple[int, int]:
+    """``--topology NxD``: N nodes of D devices."""
+    try:
+        nodes, devices = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--topology {text!r}: expected NODESxDEVICES, e.g. 2x2") from None
+    return nodes, devices
+
+
+def _layouts_arg(text: str) -> list[str | None]:
+    """``--layout``: comma-separated; 'default' = each schedule's own layout."""
+    return [None if x == "default" else x for x in text.split(",") if x]
 
 
 def _cmd_bench(args) -> int:
@@ -59,16 +91,17 @@ def _cmd_bench(args) -> int:
     from . import bench
 
     console = Console(stderr=True)
+    from .masks import resolve
+
     for mask in args.mask:
-        if mask not in ("causal", "full"):
-            raise ValueError(f"--mask {mask!r} is not supported by bench; accepted: causal, full")
+        resolve(mask)  # a clear error for a bad name or spec, before any process starts
     profile = _profile(args.profile) if args.predict else None
     results = []
-    for world, seq, mask in itertools.product(args.world, args.seq, args.mask):
+    for world, seq, mask, layout in itertools.product(args.world, args.seq, args.mask, args.layout):
         cfg = bench.BenchConfig(world=world, seq=seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                                 head_dim=args.head_dim, mask=mask, dtype=args.dtype, warmup=args.warmup,
-                                iters=args.iters, threads=args.threads)
-        names = _supporting(args.schedules, mask)
+                                iters=args.iters, threads=args.threads, topology=args.topology, layout=layout)
+        names = _supporting(args.schedules, mask, layout)
         with console.status("starting") as status:
             result = bench.run(cfg, names, progress=lambda msg: status.update(f"bench: {msg}"))
         if args.predict:
@@ -413,7 +446,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--heads", type=int, default=8)
     b.add_argument("--kv-heads", type=int, default=2)
     b.add_argument("--head-dim", type=int, default=64)
-    b.add_argument("--mask", type=_csv(str), default=["causal"], help="causal or full, or both: causal,full")
+    b.add_argument("--mask", type=_masks_arg, default=["causal"],
+                   help="causal, full, or both: causal,full; or a JSON mask spec (or list of specs), e.g. "
+                        '\'{"kind": "strided", "block_size": 1024, "stride": 4}\'')
+    b.add_argument("--topology", type=_topology_arg, default=None,
+                   help="NODESxDEVICES given to every schedule (emulated on this machine), e.g. 2x2")
+    b.add_argument("--layout", type=_layouts_arg, default=[None],
+                   help="comma-separated layouts to compare: default (each schedule's own), balanced, "
+                        "contiguous, zigzag; only schedules that accept a layout run under a non-default one")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     b.add_argument("--schedules", type=_csv(str), default=None,
                    help="comma-separated names (default: every schedule that supports the mask)")
