@@ -26,7 +26,10 @@ AUTO_SHAPE = {"batch": 1, "heads": 32, "kv_heads": 8, "head_dim": 128}
 
 def _auto_schedule(mask: Mask, seq_len: int, world: int, topology: Topology | None) -> tuple[str, str]:
     """The schedule with the lowest predicted forward+backward time (``cpattn.cost.choose``) among those
-    that support the mask, the layout split, :data:`AUTO_SHAPE` and declare their steps; ``(name, why)``.
+    that support the mask, the layout split and :data:`AUTO_SHAPE` and that the cost model can estimate;
+    ``(name, why)``. ``ultra`` is a candidate only for masks other than causal and full
+    (``cpattn.cost.default_candidates``): its estimate plans :data:`AUTO_SHAPE` on every rank (under a
+    second for small problems, tens of seconds at 64 ranks and 512K tokens; cached on disk afterwards).
 
     Estimated on ``topology`` when given, else on the ``local`` preset: the calibration profile at the
     default location, or conservative defaults without one (or with an unreadable one, with a warning).

@@ -257,9 +257,10 @@ def predict(result: dict, profile=None) -> dict:
     Each row gains ``pred_fwd_s``, ``pred_fwd_bwd_s`` and the relative errors ``pred_fwd_error`` and
     ``pred_error`` ((predicted - measured) / measured), estimated on the ``local`` topology for the
     run's world size, cores and threads per rank, from ``profile`` (a :class:`cpattn.cost.Profile`;
-    None = the profile at the default location, else conservative defaults). A schedule the model
-    cannot estimate keeps NaN and says why in ``extra["prediction"]``. ``result["prediction"]`` gets
-    the topology used and the median absolute error over the rows.
+    None = the profile at the default location, else conservative defaults); ``ultra`` from its plan
+    for that topology. A schedule the model cannot estimate keeps NaN and says why in
+    ``extra["prediction"]``. ``result["prediction"]`` gets the topology used and the median absolute
+    error over the rows.
     """
     from .cost import Problem, estimate
     from .cost.presets import local
@@ -274,12 +275,9 @@ def predict(result: dict, profile=None) -> dict:
         if not row["ok"]:
             continue
         try:
-            if row["schedule"] == "ultra":
-                fwd, both = _plan_prediction(cfg, topo)
-            else:
-                fwd = estimate(row["schedule"], problem, topo, "forward").total
-                both = estimate(row["schedule"], problem, topo, "forward+backward").total
-        except NotImplementedError as exc:
+            fwd = estimate(row["schedule"], problem, topo, "forward").total
+            both = estimate(row["schedule"], problem, topo, "forward+backward").total
+        except (NotImplementedError, ValueError) as exc:
             row["extra"]["prediction"] = str(exc)
             continue
         row["pred_fwd_s"], row["pred_fwd_bwd_s"] = fwd, both
@@ -287,16 +285,6 @@ def predict(result: dict, profile=None) -> dict:
         row["pred_error"] = (both - row["fwd_bwd_s"]) / row["fwd_bwd_s"]
     result["prediction"] = {"topology": topo.name, **prediction_summary([result])}
     return result
-
-
-def _plan_prediction(cfg: dict, topo) -> tuple[float, float]:
-    """``ultra``'s predicted (forward, forward + backward) seconds: its plan's simulated makespans,
-    planned for the same problem on ``topo`` (the calibrated local topology)."""
-    from .planner import get_plan, request
-
-    plan = get_plan(request(cfg["mask"], cfg["seq"], topo, cfg["batch"], cfg["heads"], cfg["kv_heads"],
-                            cfg["head_dim"], cfg["dtype"]))
-    return plan.forward.predicted, plan.forward.predicted + plan.backward.predicted
 
 
 def prediction_summary(results: list[dict]) -> dict:

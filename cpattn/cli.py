@@ -189,13 +189,15 @@ def _cmd_simulate(args) -> int:
         raise ValueError("give exactly one of --seq (global tokens) and --seq-per-gpu (tokens per GPU)")
     mask = resolve(json.loads(args.mask) if args.mask.lstrip().startswith("{") else args.mask)
     names, skipped, unmodelled = [], [], []
-    for name in args.schedules or schedules.names():
+    candidates = args.schedules or cost.default_candidates(mask)
+    unplanned = [] if args.schedules else [n for n in schedules.names() if n not in candidates]
+    for name in candidates:
         try:
             schedules.get(name).check_mask(mask)
         except (ValueError, NotImplementedError):
             skipped.append(name)
             continue
-        (names if cost.declares_steps(name) else unmodelled).append(name)
+        (names if cost.estimable(name) else unmodelled).append(name)
     prof = _profile(args.profile) if args.topology == "local" else None
     rows, bounds = [], {}
     with Progress(console=Console(stderr=True), transient=True) as progress:
@@ -251,6 +253,9 @@ def _cmd_simulate(args) -> int:
         out.print(f"not shown, they cannot run the {mask.name} mask: {', '.join(skipped)}")
     if unmodelled:
         out.print(f"not modelled (they do not implement steps(problem, phase)): {', '.join(unmodelled)}")
+    if unplanned:
+        out.print(f"not planned for the {mask.name} mask unless named in --schedules (planning takes seconds "
+                  f"per size): {', '.join(unplanned)}")
     if args.json:
         from dataclasses import asdict
 
@@ -488,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--head-dim", type=int, default=128)
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     m.add_argument("--phase", default="forward+backward", choices=["forward", "backward", "forward+backward"])
-    m.add_argument("--schedules", type=_csv(str), default=None, help="comma-separated (default: all registered)")
+    m.add_argument("--schedules", type=_csv(str), default=None,
+                   help="comma-separated (default: all registered; ultra only for masks other than causal and full)")
     m.add_argument("--profile", help="calibration profile for --topology local")
     m.add_argument("--json", help="also write the rows as JSON to this path")
     m.add_argument("--plot", default="simulate.png", help="scaling plot PNG (default simulate.png; '' for none)")

@@ -23,8 +23,11 @@ from cpattn.cost import (
     Task,
     Topology,
     calibrate,
+    check_supports,
     choose,
     declares_steps,
+    default_candidates,
+    estimable,
     estimate,
     lane,
     op_time,
@@ -37,13 +40,16 @@ from cpattn.cost import (
     transfer,
 )
 from cpattn.cost.device import RatePoint
-from cpattn.cost.pairs import EnumeratedPairs
+from cpattn.cost.pairs import EnumeratedPairs, head_split
 from cpattn.cost.steps import COMM_OPS
 from cpattn.layout import Layout
+from cpattn.planner import get_plan, request
 from cpattn.schedules.base import Schedule, Shape
+from cpattn.schedules.usp import USPSchedule
 
 BASELINES = ("ring", "zigzag_ring", "stripe_ring", "allgather")
 RINGX = ("ringx1", "ringx1o", "ringx2", "ringx2o", "ringx3", "ringx3b", "ringx4", "ringx4o")
+HEAD_SPLIT = ("ulysses", "usp")
 
 
 def _faster(topo: Topology, factor: float) -> Topology:
@@ -162,26 +168,53 @@ def _accounting(steps, world: int, rank: int) -> dict:
     return {k: {"calls": v[0], "bytes_sent": v[1], "bytes_recv": v[2]} for k, v in out.items()}
 
 
+def _check_volume(sched: Schedule, problem: Problem) -> None:
+    """``sched``'s steps on ``problem``: every rank in each step, and ops summing to volume() on every rank."""
+    world, shape = problem.world, Shape.of_problem(problem)
+    for phase in ("forward", "backward"):
+        steps = sched.steps(problem, phase)
+        for step in steps:
+            assert sum(n for _, n in step.work) in (0, world), (sched.name, phase)
+        for rank in range(world):
+            expected = {op: v for op, v in sched.volume(shape, rank)[phase].items() if v["calls"]}
+            assert _accounting(steps, world, rank) == expected, (sched.name, phase, rank)
+
+
+def _check_pairs(sched: Schedule, problem: Problem) -> None:
+    """``sched``'s steps compute every allowed (query, key) pair exactly once for every query head."""
+    for phase in ("forward", "backward"):
+        steps = sched.steps(problem, phase)
+        done = sum(k.area * (k.heads or problem.heads) * calls * ranks
+                   for st_ in steps for w, ranks in st_.work for k, calls in w)
+        assert done == problem.allowed_pairs() * problem.heads, (sched.name, phase)
+
+
 @pytest.mark.parametrize("mask_name", ["causal", "full"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_steps_add_up_to_the_declared_volume(mask_name, world):
     """Every schedule that declares steps: their ops, summed, are exactly its volume() on every rank."""
     for name in _modelled(mask_name):
-        sched = schedules.get(name)
-        problem = Problem(4 * world * 8, world, mask_name, batch=2, heads=4, kv_heads=2, head_dim=8)
-        shape = Shape.of_problem(problem)
-        for phase in ("forward", "backward"):
-            steps = sched.steps(problem, phase)
-            for step in steps:
-                assert sum(n for _, n in step.work) in (0, world), (name, phase)
-            for rank in range(world):
-                expected = {op: v for op, v in sched.volume(shape, rank)[phase].items() if v["calls"]}
-                assert _accounting(steps, world, rank) == expected, (name, phase, rank)
+        _check_volume(schedules.get(name), Problem(4 * world * 8, world, mask_name, batch=2, heads=12, kv_heads=2,
+                                                   head_dim=8))
+
+
+@pytest.mark.parametrize("mask", ["causal", "full", masks.sliding_window(10)])
+@pytest.mark.parametrize("world, degree", [(4, 1), (4, 2), (6, 2), (6, 3), (6, 6)])
+@pytest.mark.parametrize("kv_heads", [2, 3, 12])
+def test_usp_steps_match_its_volume_and_pairs_at_every_degree(mask, world, degree, kv_heads):
+    """USP of any Ulysses degree (point-to-point exchanges inside groups, ring across them), every kv
+    head plan (one kv head per member, kv heads replicated, one per query head)."""
+    problem = Problem(4 * world * 6, world, mask, heads=12, kv_heads=kv_heads, head_dim=8)
+    sched = USPSchedule(degree)
+    _check_volume(sched, problem)
+    _check_pairs(sched, problem)
 
 
 def test_baselines_declare_steps_and_later_schedules_need_not():
-    assert all(declares_steps(n) for n in (*BASELINES, *RINGX))
-    assert set(RINGX) <= set(_modelled("causal")) | set(_modelled("full"))  # volumes cross-checked above
+    assert all(declares_steps(n) for n in (*BASELINES, *RINGX, *HEAD_SPLIT))
+    # volumes cross-checked above
+    assert set(RINGX) | set(HEAD_SPLIT) <= set(_modelled("causal")) | set(_modelled("full"))
+    assert estimable("ultra") and not declares_steps("ultra")  # estimated from its plan
 
     class Unmodelled(Schedule):
         name = "unmodelled"
@@ -198,6 +231,10 @@ def test_estimates_are_monotone_in_bandwidth(mask_name, world):
     problem = Problem(world * 4096, world, mask_name)
     topo = preset("frontier", world)
     for name in _modelled(mask_name):
+        try:
+            check_supports(name, problem)
+        except ValueError:  # ulysses splits 32 heads over at most 32 ranks
+            continue
         base = estimate(name, problem, topo)
         fast = estimate(name, problem, _faster(topo, 4.0))
         assert fast.total <= base.total * (1 + 1e-12), name
@@ -244,15 +281,68 @@ def _mask_of(name: str) -> str:
     return "causal" if schedules.get(name).causal else "full"
 
 
-@pytest.mark.parametrize("name", [*BASELINES, *RINGX])
+@pytest.mark.parametrize("name", [*BASELINES, *RINGX, *HEAD_SPLIT])
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_steps_compute_every_allowed_pair_once(name, world):
-    mask_name = _mask_of(name)
-    problem = Problem(2 * world * 6, world, mask_name, heads=4, kv_heads=2, head_dim=8)
-    for phase in ("forward", "backward"):
-        steps = schedules.get(name).steps(problem, phase)
-        done = sum(k.area * calls * ranks for st_ in steps for w, ranks in st_.work for k, calls in w)
-        assert done == problem.allowed_pairs(), (name, phase)
+    _check_pairs(schedules.get(name), Problem(2 * world * 6, world, _mask_of(name), heads=60, kv_heads=2, head_dim=8))
+
+
+def test_head_split_tags_kernels_and_counts_ranks():
+    pairs = pair_work(masks.causal(), Layout("contiguous"), 64, 2)
+    split = head_split(pairs.by_offset(1), 4, 2, 1)
+    assert sum(n for _, n in split) == 8  # 2 groups of 4 ranks
+    assert all(k.heads == 2 and k.kv_heads == 1 for w, _ in split for k, _ in w)
+    problem = Problem(64, 8, "causal", heads=8, kv_heads=2)
+    [full] = [w for w, _ in split if w]  # query group 1 against key group 0; group 0 against 1 is empty
+    [(kernel, _)] = full
+    assert kernel.flops(problem, "forward") == pytest.approx(4.0 * 2 * 128 * kernel.area)  # 2 of the 8 heads
+
+
+def test_ulysses_splits_the_work_evenly_over_heads():
+    problem = Problem(8 * 512, 8, "causal", heads=32, kv_heads=8)
+    steps = schedules.get("ulysses").steps(problem, "forward")
+    [(w, ranks)] = [wr for st_ in steps for wr in st_.work if wr[0]]
+    assert ranks == 8 and [(k.heads, k.kv_heads, k.q_len, k.kv_len) for k, _ in w] == [(4, 1, 4096, 4096)]
+    flops = sum(k.flops(problem, "forward") * n for k, n in w)
+    assert flops == pytest.approx(problem.flops("forward") / 8)  # the whole sequence, 1/P of the heads
+    topo = preset("dgx-h100", 8)
+    uly, zigzag = estimate("ulysses", problem, topo), estimate("zigzag_ring", problem, topo)
+    assert uly.comm > 0 and uly.total == pytest.approx(uly.compute + uly.comm)  # the all-to-alls block
+    assert uly.compute < 1.1 * zigzag.compute  # balanced, like zigzag
+
+
+def test_usp_takes_its_degree_from_the_topology():
+    problem = Problem(16 * 1024, 16, "causal", heads=32, kv_heads=8)
+    usp, topo = schedules.get("usp"), preset("dgx-h100", 16)  # 2 nodes of 8
+    assert usp.degree(32, 16) == 16 and usp.degree(32, 16, topo) == 8
+    ops = [op for st_ in usp.steps_for(problem, "forward", topo) for op in st_.comm]
+    assert {op.group for op in ops if op.peer < 8} == {"node"}  # the exchanges stay inside a node
+    assert sum(op.peer == 8 for op in ops) == 1  # one ring step between the two groups
+    # without a topology (or on one node) USP is Ulysses
+    local = presets.local(16)
+    assert estimate("usp", problem, local).total == pytest.approx(estimate("ulysses", problem, local).total)
+    e = estimate("usp", problem, topo)
+    assert e.bytes_per_rank != estimate("ulysses", problem, topo).bytes_per_rank
+
+
+def test_ultra_is_estimated_from_its_plan():
+    t0 = time.perf_counter()
+    mask = masks.sliding_window(64)
+    problem = Problem(1024, 4, mask, heads=4, kv_heads=2, head_dim=16, dtype="float32")
+    topo = presets.local(4)
+    both, fwd = estimate("ultra", problem, topo), estimate("ultra", problem, topo, "forward")
+    plan = get_plan(request(mask, 1024, topo, 1, 4, 2, 16, "float32", schedules.get("ultra").options))
+    assert fwd.total == plan.forward.predicted
+    assert both.total == pytest.approx(plan.forward.predicted + plan.backward.predicted)
+    sizes = plan.sizes(1, 4, 2, 16, 4, 4)
+    sent = [plan.volume(r, sizes) for r in range(4)]
+    assert fwd.bytes_per_rank == max(v["forward"].get("send", {}).get("bytes_sent", 0) for v in sent)
+    assert 0 < both.compute <= both.total and both.flops == problem.flops("forward+backward")
+    assert estimate("ultra", problem, topo) == both  # deterministic
+    # "auto" plans ultra only for masks other than causal and full
+    assert "ultra" in default_candidates(mask) and "ultra" not in default_candidates(masks.causal())
+    assert "ultra" in dict(rank_schedules(problem, topo))
+    assert time.perf_counter() - t0 < 5.0
 
 
 @pytest.mark.parametrize("name", RINGX)
@@ -421,7 +511,7 @@ def test_auto_is_deterministic_and_picks_a_supporting_schedule(no_profile, mask,
         sched = schedules.get(name)
         sched.check_mask(mask)
         Layout(sched.layout_for(mask)).check(seq, world)
-        assert declares_steps(name)
+        assert estimable(name)
 
 
 def test_auto_skips_layouts_that_cannot_split_and_memory_hogs(no_profile):
@@ -473,11 +563,21 @@ def test_bench_predict_adds_predictions_and_the_median_error(no_profile):
     assert bench.prediction_summary([result, bench.predict(_bench_result(4, 4096))])["rows"] == 2 * len(BASELINES)
 
 
+def test_bench_predict_estimates_every_schedule_the_same_way(no_profile):
+    result = _bench_result()
+    result["rows"] = [dataclasses.asdict(bench.BenchRow(n, fwd_s=0.1, fwd_bwd_s=0.3)) for n in ("ultra", *HEAD_SPLIT)]
+    bench.predict(result)
+    assert all(r["pred_fwd_bwd_s"] > r["pred_fwd_s"] > 0 for r in result["rows"])
+    assert result["prediction"]["rows"] == 3
+
+
 def test_simulate_command_prints_and_plots(tmp_path, capsys):
     plot, out = tmp_path / "s.png", tmp_path / "s.json"
     rc = cli.main(["simulate", "--topology", "dgx-h100", "--gpus", "8,64", "--seq", "65536", "--mask", "causal",
                    "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--plot", str(plot), "--json", str(out)])
     assert rc == 0 and plot.stat().st_size > 1000
     rows = json.loads(out.read_text())
-    assert {r["schedule"] for r in rows} >= {"ring", "zigzag_ring"} and all(r["estimate"] for r in rows)
+    assert {r["schedule"] for r in rows} >= {"ring", "zigzag_ring"}
+    missing = [(r["gpus"], r["schedule"]) for r in rows if not r["estimate"]]
+    assert missing == [(64, "ulysses")]  # 8 heads cannot split over 64 ranks (usp takes 8 of them)
     assert "zigzag_ring" in capsys.readouterr().out

@@ -1,16 +1,25 @@
 """Cost model: topologies, devices, collectives, schedule estimates and a task-graph simulator.
 
 Everything here is pure data in, data out (no process group): ``estimate(schedule, problem,
-topology)`` predicts one schedule from its own ``steps`` declaration; ``rank_schedules`` / ``choose``
-power ``schedule="auto"``; ``simulate`` runs UltraAttn-style task graphs on per-device lanes;
-``presets.preset(name, world)`` builds Frontier, DGX H100, DGX A100 or the calibrated ``local`` machine.
-Calibration (``cpattn.cost.calibrate``) is the only part that runs processes.
+topology)`` predicts one schedule from its own ``steps`` declaration (``ultra``: from its plan);
+``rank_schedules`` / ``choose`` power ``schedule="auto"``; ``simulate`` runs UltraAttn-style task
+graphs on per-device lanes; ``presets.preset(name, world)`` builds Frontier, DGX H100, DGX A100 or
+the calibrated ``local`` machine. Calibration (``cpattn.cost.calibrate``) is the only part that runs processes.
 """
 
 from . import presets
 from .collectives import op_time
 from .device import Device, RatePoint
-from .estimate import Estimate, check_supports, choose, declares_steps, estimate, rank_schedules
+from .estimate import (
+    Estimate,
+    check_supports,
+    choose,
+    declares_steps,
+    default_candidates,
+    estimable,
+    estimate,
+    rank_schedules,
+)
 from .pairs import PairWork, pair_work
 from .presets import preset
 from .profile import Profile, ProfileError
@@ -20,5 +29,5 @@ from .topology import Link, Topology
 
 __all__ = ["CommOp", "Device", "Estimate", "Kernel", "Link", "PairWork", "Problem", "Profile", "ProfileError",
            "RatePoint", "Step", "Task", "Timeline", "Topology", "Work", "check_supports", "choose", "declares_steps",
-           "distribution", "estimate", "lane", "op_time", "pair_work", "preset", "presets", "rank_schedules",
-           "simulate", "transfer", "work"]
+           "default_candidates", "distribution", "estimable", "estimate", "lane", "op_time", "pair_work", "preset",
+           "presets", "rank_schedules", "simulate", "transfer", "work"]

@@ -13,6 +13,9 @@ with ``overlap`` the topology's hidden fraction (1 on GPUs). The call takes the 
 durations (steps are separated by waits, so the slowest rank sets the pace of each). Traffic is the
 busiest rank's payload (``cpattn.comm`` units) from the steps' ops; memory is the resident inputs
 and outputs plus the largest ``live_bytes`` of any step.
+
+A schedule with its own model answers instead through ``Schedule.estimate_override`` (``ultra``: the
+simulated makespan of its plan).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..layout import Layout
+from ..masks import CausalMask, FullMask, Mask
 from .collectives import group_size, op_times
 from .steps import Problem, Step, split_phase
 from .topology import Topology
@@ -68,13 +72,33 @@ def _schedule(schedule: Schedule | str) -> Schedule:
 
 
 def declares_steps(schedule: Schedule | str) -> bool:
-    """Whether ``schedule`` implements ``steps`` (and so can be estimated)."""
+    """Whether ``schedule`` implements ``steps``."""
     from ..schedules.base import Schedule
 
     return type(_schedule(schedule)).steps is not Schedule.steps
 
 
-def _resident(problem: Problem, phase: str) -> int:
+def estimable(schedule: Schedule | str) -> bool:
+    """Whether :func:`estimate` can predict ``schedule``: it declares ``steps`` or overrides
+    ``estimate_override`` (``ultra``, from its plan)."""
+    from ..schedules.base import Schedule
+
+    sched = _schedule(schedule)
+    return declares_steps(sched) or type(sched).estimate_override is not Schedule.estimate_override
+
+
+def default_candidates(mask: Mask) -> list[str]:
+    """The registered schedules "auto" estimates for ``mask``, in registry order: all of them, except
+    the ``planned`` ones (``ultra``) for the causal and full masks, where building a plan would add
+    seconds to every new problem size (tens of seconds at 64 ranks and 512K tokens) and the balanced
+    rings already spread the work evenly."""
+    from .. import schedules
+
+    dense = isinstance(mask, (CausalMask, FullMask))
+    return [n for n in schedules.names() if not (dense and schedules.get(n).planned)]
+
+
+def resident_bytes(problem: Problem, phase: str) -> int:
     """Inputs and outputs a rank holds whatever the schedule (bytes): q, k, v, out and lse forward;
     plus dout, dq, dk, dv backward."""
     b, s, d, e = problem.batch, problem.local_len, problem.head_dim, problem.elem
@@ -103,10 +127,12 @@ def busiest_bytes_sent(steps: list[Step], topology: Topology) -> int:
 def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
              phase: str = "forward+backward") -> Estimate:
     """Predict ``schedule`` (a name or a Schedule) on ``problem`` over ``topology`` for ``phase``
-    ("forward", "backward" or "forward+backward"). Raises NotImplementedError when the schedule does not
-    declare ``steps``, ValueError when it cannot run the problem."""
+    ("forward", "backward" or "forward+backward"). The schedule's ``estimate_override`` answers when it
+    has one (``ultra``: its plan, built or read from the plan cache); otherwise its steps on
+    ``topology`` are timed. Raises NotImplementedError when the schedule has neither, ValueError when it
+    cannot run the problem."""
     sched = _schedule(schedule)
-    if not declares_steps(sched):
+    if not estimable(sched):
         raise NotImplementedError(
             f"schedule {sched.name!r} does not implement steps(problem, phase), so the cost model cannot "
             "estimate it; see cpattn.cost.steps for what a schedule must declare")
@@ -115,12 +141,16 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
                          f"but the problem has world={problem.world}")
     sched.check_mask(problem.mask)
     Layout(sched.layout_for(problem.mask)).check(problem.seq_len, problem.world)
+    split_phase(phase)
+    override = sched.estimate_override(problem, topology, phase)
+    if override is not None:
+        return override
     device = topology.device
     times: dict = {}
     total = compute = comm = 0.0
     sent, peak = 0, 0
     for ph in split_phase(phase):
-        steps = sched.steps(problem, ph)
+        steps = sched.steps_for(problem, ph, topology)
         for st in steps:
             c = 0.0
             for w, _ranks in st.work:
@@ -137,13 +167,13 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
             compute += c
             comm += m + blocking
         sent += busiest_bytes_sent(steps, topology)
-        peak = max(peak, _resident(problem, ph) + max((st.live_bytes for st in steps), default=0))
+        peak = max(peak, resident_bytes(problem, ph) + max((st.live_bytes for st in steps), default=0))
     return Estimate(total, compute, comm, total - compute, sent, peak, sched.name, phase, problem.flops(phase))
 
 
 def check_supports(schedule: Schedule | str, problem: Problem) -> None:
     """Raise (ValueError / TypeError / NotImplementedError) unless ``schedule`` can run ``problem``:
-    mask, layout split, shape and dtype (its own checks, on meta tensors), and a ``steps`` declaration."""
+    mask, layout split, shape and dtype (its own checks, on meta tensors), and a model (:func:`estimable`)."""
     sched = _schedule(schedule)
     sched.check_mask(problem.mask)
     Layout(sched.layout_for(problem.mask)).check(problem.seq_len, problem.world)
@@ -152,20 +182,18 @@ def check_supports(schedule: Schedule | str, problem: Problem) -> None:
     q = torch.empty((b, s, problem.heads, d), dtype=dtype, device="meta")
     k = torch.empty((b, s, problem.kv_heads, d), dtype=dtype, device="meta")
     sched.check_shape(q, k, problem.world)
-    if not declares_steps(sched):
+    if not estimable(sched):
         raise NotImplementedError(f"schedule {sched.name!r} does not implement steps(problem, phase)")
 
 
 def rank_schedules(problem: Problem, topology: Topology, names: list[str] | None = None,
                    phase: str = "forward+backward") -> list[tuple[str, Estimate | str]]:
-    """Every candidate (default: all registered schedules, in registry order) with its
-    :class:`Estimate`, or the reason it cannot be used (unsupported, or over the device memory).
-    Feasible ones come first, fastest first; ties keep registry order."""
-    from .. import schedules
-
+    """Every candidate (default: :func:`default_candidates` of the problem's mask, in registry order)
+    with its :class:`Estimate`, or the reason it cannot be used (unsupported, or over the device
+    memory). Feasible ones come first, fastest first; ties keep registry order."""
     feasible: list[tuple[str, Estimate]] = []
     excluded: list[tuple[str, str]] = []
-    for name in names if names is not None else schedules.names():
+    for name in names if names is not None else default_candidates(problem.mask):
         try:
             check_supports(name, problem)
             est = estimate(name, problem, topology, phase)
@@ -196,5 +224,5 @@ def choose(problem: Problem, topology: Topology, names: list[str] | None = None)
     return best, why
 
 
-__all__ = ["Estimate", "busiest_bytes_sent", "check_supports", "choose", "declares_steps", "estimate",
-           "rank_schedules"]
+__all__ = ["Estimate", "busiest_bytes_sent", "check_supports", "choose", "declares_steps", "default_candidates",
+           "estimable", "estimate", "rank_schedules", "resident_bytes"]

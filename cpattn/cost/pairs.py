@@ -10,6 +10,7 @@ closed form). Both give identical kernels; the tests compare them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from .. import blocks
@@ -150,6 +151,16 @@ def closed_form(mask: Mask, layout: Layout, seq_len: int, world: int) -> Triangu
     return None
 
 
+def head_split(groups: tuple[tuple[Work, int], ...], degree: int, heads: int,
+               kv_heads: int) -> tuple[tuple[Work, int], ...]:
+    """Work of ranks in groups of ``degree`` whose members all run their group's work, each on
+    ``heads`` query and ``kv_heads`` key/value heads (Ulysses and USP split the heads inside a group):
+    ``groups`` is a distribution over the groups (e.g. a :class:`PairWork` of the groups' token spans);
+    the result is one over ranks, every kernel tagged with the head counts."""
+    return _merge([(work((replace(k, heads=heads, kv_heads=kv_heads), n) for k, n in w), count * degree)
+                   for w, count in groups])
+
+
 def _build(mask: Mask, layout: Layout, seq_len: int, world: int) -> PairWork:
     return closed_form(mask, layout, seq_len, world) or EnumeratedPairs(mask, layout, seq_len, world)
 
@@ -168,4 +179,4 @@ def pair_work(mask: Mask, layout: Layout, seq_len: int, world: int) -> PairWork:
     return _cached(mask, layout, seq_len, world)
 
 
-__all__ = ["EnumeratedPairs", "PairWork", "TriangularPairs", "closed_form", "pair_work"]
+__all__ = ["EnumeratedPairs", "PairWork", "TriangularPairs", "closed_form", "head_split", "pair_work"]

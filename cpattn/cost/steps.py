@@ -105,26 +105,36 @@ def _phase_factor(phase: str) -> float:
 @dataclass(frozen=True, order=True)
 class Kernel:
     """One local kernel call: ``q_len`` query rows against ``kv_len`` key rows of kind ``kind``
-    ("full", "causal" or "partial"), of which ``area`` (query, key) pairs attend."""
+    ("full", "causal" or "partial"), of which ``area`` (query, key) pairs attend, on ``heads`` query
+    and ``kv_heads`` key/value heads (0: all of the problem's; fewer when the heads are split over
+    ranks, as in Ulysses)."""
 
     kind: str
     q_len: int
     kv_len: int
     area: int
+    heads: int = 0
+    kv_heads: int = 0
+
+    def head_counts(self, problem: Problem) -> tuple[int, int]:
+        """(query heads, key/value heads) this call runs."""
+        return self.heads or problem.heads, self.kv_heads or problem.kv_heads
 
     def flops(self, problem: Problem, phase: str) -> float:
         """FLOPs this call executes. FULL and CAUSAL kernels skip what is masked; a PARTIAL one runs
         densely over its whole rectangle (the mask is applied to the scores)."""
         pairs = self.q_len * self.kv_len if self.kind == BlockKind.PARTIAL.value else self.area
-        return 4.0 * problem.batch * problem.heads * problem.head_dim * pairs * _phase_factor(phase)
+        heads, _ = self.head_counts(problem)
+        return 4.0 * problem.batch * heads * problem.head_dim * pairs * _phase_factor(phase)
 
     def epilogue_bytes(self, problem: Problem, phase: str) -> float:
         """Memory traffic of folding the result into the accumulators (bytes): forward, read and
         write the running output and lse and read the block's; backward, the same for dq, dk, dv."""
         a, b, d = problem.acc_elem, problem.batch, problem.head_dim
+        heads, kv_heads = self.head_counts(problem)
         if phase == "forward":
-            return 3.0 * a * b * self.q_len * problem.heads * (d + 1)
-        return 3.0 * a * b * d * (self.q_len * problem.heads + 2 * self.kv_len * problem.kv_heads)
+            return 3.0 * a * b * self.q_len * heads * (d + 1)
+        return 3.0 * a * b * d * (self.q_len * heads + 2 * self.kv_len * kv_heads)
 
 
 #: the kernel calls of one rank in one step: ``((kernel, calls), ...)``, canonical (sorted, merged)

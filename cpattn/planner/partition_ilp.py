@@ -105,6 +105,19 @@ class Partition:
 
 
 # --------------------------------------------------------------------------------------- traffic
+def deterministic_solver(seed: int, time_limit: float):
+    """A CP-SAT solver that gives every rank the same answer: one worker, a fixed seed, and a
+    deterministic time limit (``time_limit`` in CP-SAT's deterministic seconds)."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = seed
+    solver.parameters.max_deterministic_time = time_limit
+    solver.parameters.max_time_in_seconds = 2 * time_limit + 1  # a safety net: the line above binds first
+    return solver
+
+
 def traffic(problem: PartitionProblem, assign: tuple[int, ...] | list[int]) -> tuple[list[int], list[int]]:
     """Per-unit ``(in, out)`` message units of ``assign`` (what the ILP's ``in_g``, ``out_g`` equal at
     an optimum: every fetch indicator exactly 1 where needed)."""
@@ -314,11 +327,7 @@ def solve(problem: PartitionProblem, time_limit: float = 5.0, seed: int = 0) -> 
     for (c, g), var in x.items():
         m.add_hint(var, 1 if fallback.assign[c] == g else 0)
 
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = seed
-    solver.parameters.max_deterministic_time = time_limit
-    solver.parameters.max_time_in_seconds = 2 * time_limit + 1  # a safety net: the line above binds first
+    solver = deterministic_solver(seed, time_limit)
     status = solver.solve(m)
     seconds = time.perf_counter() - start
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..cost.simulator import Task, Timeline, simulate
+from .partition_ilp import deterministic_solver
 
 log = logging.getLogger(__name__)
 #: the makespan is resolved to about this many ticks in the CP-SAT model
@@ -79,11 +80,7 @@ def _cpsat_order(tasks: Sequence[Task], greedy: Timeline, time_limit: float,
     m.minimize(makespan)
     for t in tasks:
         m.add_hint(start[t.name], round(hint.start[t.name]))
-    solver = cp_model.CpSolver()
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = seed
-    solver.parameters.max_deterministic_time = time_limit
-    solver.parameters.max_time_in_seconds = 2 * time_limit + 1  # a safety net: the line above binds first
+    solver = deterministic_solver(seed, time_limit)
     status = solver.solve(m)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, "solver timed out" if status == cp_model.UNKNOWN else f"solver {solver.status_name(status)}"

@@ -14,6 +14,7 @@ import torch
 from .. import blocks as blocks_mod
 from .. import kernels
 from ..comm import Communicator
+from ..cost.estimate import Estimate
 from ..cost.pairs import PairWork, pair_work
 from ..cost.steps import Problem, Step
 from ..cost.topology import Topology
@@ -116,6 +117,9 @@ class Schedule:
     memory: str = "O(local)"
     #: runs on any range layout (``ContextParallel(layout=...)``, e.g. "balanced"), not only its own
     custom_layout: bool = False
+    #: estimated by building a plan (:meth:`estimate_override`), which takes from under a second to tens
+    #: of seconds per problem: "auto" considers it only for masks other than causal and full
+    planned: bool = False
     summary: str = ""
 
     def layout_for(self, mask: Mask) -> str:
@@ -157,8 +161,21 @@ class Schedule:
         """What one rank does in ``phase`` ("forward" or "backward"), step by step, for the cost model
         (``cpattn.cost.steps``): per step, the kernel calls of each rank, the communication ops issued
         with their bytes (summing, over steps, to :meth:`volume`), whether they overlap the compute, and
-        the buffers alive. Schedules that do not implement it cannot be estimated or chosen by "auto"."""
+        the buffers alive. Schedules that implement neither it nor :meth:`estimate_override` cannot be
+        estimated or chosen by "auto"."""
         raise NotImplementedError(f"schedule {self.name!r} does not implement steps(problem, phase)")
+
+    def steps_for(self, problem: Problem, phase: str, topology: Topology) -> list[Step]:
+        """The steps on ``topology``, which is what :func:`cpattn.cost.estimate` times: :meth:`steps`,
+        unless the algorithm depends on where the ranks run (``usp`` takes its Ulysses degree from the
+        devices per node, as it does at run time with a topology)."""
+        return self.steps(problem, phase)
+
+    def estimate_override(self, problem: Problem, topology: Topology, phase: str) -> Estimate | None:
+        """A prediction from the schedule's own model instead of :meth:`steps`, or None (the default) to
+        time the steps. ``ultra`` returns its plan's simulated makespan. Must be deterministic: every rank
+        of "auto" computes it independently."""
+        return None
 
     def pairs(self, problem: Problem) -> PairWork:
         """The kernel calls of every (query rank, key rank) pair of ``problem`` in this schedule's layout,

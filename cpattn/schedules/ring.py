@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..blocks import Block
-from ..cost.steps import CommOp, Problem, Step
+from ..cost.steps import CommOp, Problem, Step, Work
 from ..kernels import acc_dtype
 from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
 
@@ -79,6 +79,21 @@ def ring_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, kv: torch.Te
     return dq, local
 
 
+def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], kv: CommOp, dkv: CommOp, phase: str,
+               live: int) -> list[Step]:
+    """The cost-model steps of :func:`ring_forward` / :func:`ring_backward` on a ring of ``n`` ranks: step
+    t runs ``work_at(t)`` (a distribution over every rank) while the next ``kv`` travels. Backward, the
+    ``dkv`` accumulator sent after step t's compute travels during step t+1; the last one lands after the
+    loop (a step with nothing to overlap). ``live``: buffer bytes alive on a rank."""
+    if phase == "forward":
+        return [Step(work_at(t), (kv,) if t < n - 1 else (), live_bytes=live) for t in range(n)]
+    steps = [Step(work_at(t), ((kv,) if t < n - 1 else ()) + ((dkv,) if t > 0 else ()), live_bytes=live)
+             for t in range(n)]
+    if n > 1:
+        steps.append(Step((), (dkv,), overlap=False, live_bytes=live))
+    return steps
+
+
 def ring_volume(n: int, kv_bytes: int, dkv_bytes: int) -> Volume:
     """Per-rank traffic of :func:`ring_forward` / :func:`ring_backward` on a ring of ``n`` ranks
     carrying ``kv_bytes`` of packed kv and ``dkv_bytes`` of packed float32 dk/dv."""
@@ -116,17 +131,10 @@ class RingSchedule(Schedule):
         return ring_volume(shape.world, shape.kv_bytes, shape.dkv_bytes)
 
     def steps(self, problem: Problem, phase: str) -> list[Step]:
-        """Step t attends the kv of rank r - t while the next kv travels. Backward, the dk/dv
-        accumulator sent after step t's compute travels during step t+1; the last one lands after
-        the loop (a step with nothing to overlap)."""
-        p, shape, pairs = problem.world, Shape.of_problem(problem), self.pairs(problem)
+        """Step t attends the kv of rank r - t while the next kv travels (:func:`ring_steps`)."""
+        shape = Shape.of_problem(problem)
         kv, dkv = CommOp("sendrecv", shape.kv_bytes), CommOp("sendrecv", shape.dkv_bytes)
-        if phase == "forward":
-            live = 2 * shape.kv_bytes + shape.acc_bytes  # current and next kv, output accumulators
-            return [Step(pairs.by_offset(t), (kv,) if t < p - 1 else (), live_bytes=live) for t in range(p)]
-        live = 2 * shape.kv_bytes + 2 * shape.dkv_bytes + shape.acc_bytes  # + outgoing and incoming dk/dv
-        steps = [Step(pairs.by_offset(t), ((kv,) if t < p - 1 else ()) + ((dkv,) if t > 0 else ()), live_bytes=live)
-                 for t in range(p)]
-        if p > 1:
-            steps.append(Step((), (dkv,), overlap=False, live_bytes=live))
-        return steps
+        live = 2 * shape.kv_bytes + shape.acc_bytes  # current and next kv, output accumulators
+        if phase != "forward":
+            live += 2 * shape.dkv_bytes  # outgoing and incoming dk/dv
+        return ring_steps(problem.world, self.pairs(problem).by_offset, kv, dkv, phase, live)

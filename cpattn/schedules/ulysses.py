@@ -28,8 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from ..cost.pairs import head_split, pair_work
+from ..cost.steps import CommOp, Problem, Step
 from ..kernels import acc_dtype
+from ..layout import Layout
 from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
+from .ring import ring_steps
 
 TAG_A2A = 2  # point-to-point exchanges inside a sub-group (ring.py uses 0 and 1)
 
@@ -194,18 +198,89 @@ class UlyssesSchedule(Schedule):
     def volume(self, shape: Shape, rank: int) -> Volume:
         return ulysses_volume(shape, shape.world, whole_group=True)
 
+    def steps(self, problem: Problem, phase: str) -> list[Step]:
+        """The all-to-alls to the head split, whole-sequence attention on h/P heads (the same work on
+        every rank), the all-to-alls back (:func:`head_split_steps` with one group)."""
+        return head_split_steps(problem, phase, problem.world, self.name)
 
-def ulysses_volume(shape: Shape, degree: int, whole_group: bool) -> Volume:
-    """Counts of the Ulysses exchanges of ``degree`` ranks for per-rank ``shape`` (local tokens s)."""
+
+#: each phase's exchanges: (to the head split, back to the sequence split), in issue order
+EXCHANGES = {"forward": (("q", "kv"), ("out", "lse")), "backward": (("dout",), ("dq", "dkv"))}
+
+
+def messages(shape: Shape, degree: int) -> dict[str, int]:
+    """Bytes per rank going into each exchange of Ulysses among ``degree`` ranks, for per-rank ``shape``
+    (local tokens s): q, out, dout, dq (b s h d, input dtype), kv (2 b s D K d, K kv heads per member,
+    input dtype), lse (b h s, accumulation dtype) and dkv (kv's elements, in the accumulation dtype
+    when a kv head went to several members, else the input dtype)."""
     b, s, h, hk, d, e, a = (shape.batch, shape.local_len, shape.heads, shape.kv_heads, shape.head_dim,
                             shape.elem, shape.acc_elem)
     plan = kv_plan(h, hk, degree)
-    seq = b * s * h * d * e  # q, out, dout, dq of one rank
+    seq = b * s * h * d * e
     kv = 2 * b * s * degree * len(plan[0]) * d
-    dkv_elem = a if _replicated(plan, hk) else e
+    return {"q": seq, "kv": kv * e, "out": seq, "lse": b * h * s * a, "dout": seq, "dq": seq,
+            "dkv": kv * (a if _replicated(plan, hk) else e)}
 
-    def one(nbytes: int) -> dict[str, dict[str, int]]:
-        return exchange_volume(degree, nbytes, whole_group)
 
-    return {"forward": add_volumes(one(seq), one(kv * e), one(seq), one(b * h * s * a)),
-            "backward": add_volumes(one(seq), one(seq), one(kv * dkv_elem))}
+def ulysses_volume(shape: Shape, degree: int, whole_group: bool) -> Volume:
+    """Counts of the Ulysses exchanges of ``degree`` ranks for per-rank ``shape`` (local tokens s)."""
+    msg = messages(shape, degree)
+    return {phase: add_volumes(*(exchange_volume(degree, msg[m], whole_group) for part in parts for m in part))
+            for phase, parts in EXCHANGES.items()}
+
+
+def exchange_ops(degree: int, nbytes: int, whole_group: bool, group: str = "world") -> tuple[CommOp, ...]:
+    """The cost-model ops of one :func:`exchange` of ``nbytes`` in per rank among ``degree`` members:
+    one all-to-all over the whole group, else one point-to-point shift by k = 1 .. degree-1 of
+    ``nbytes / degree`` each (one batched call at run time; the ops of a step add up, as the
+    all-to-all's pairwise rounds do), on ``group`` ("node" when every member set lies in one node;
+    on "world" a shift by k stands for the shift inside each member set)."""
+    if degree == 1:
+        return ()
+    if whole_group:
+        return (CommOp("all_to_all", nbytes),)
+    return tuple(CommOp("sendrecv", nbytes // degree, group=group, peer=k) for k in range(1, degree))
+
+
+def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group: str = "world") -> list[Step]:
+    """Cost-model steps of Ulysses inside groups of ``degree`` consecutive ranks and ``ring.py``'s ring
+    across the P / degree groups (``usp``; ``degree`` = P is ``ulysses``): the exchanges to the head
+    split, the ring's steps (one step with no communication when there is one group), the exchanges
+    back. The exchanges block, so nothing overlaps them. Every member computes its group's pairs (the
+    groups' token spans of the contiguous layout, as the ring sees them) on h / degree query heads.
+    ``group``: where the point-to-point exchanges of a strict subset run (see :func:`exchange_ops`).
+    ``live_bytes`` counts the head-split tensors, the ring's buffers and the exchange copies."""
+    p = problem.world
+    if p % degree:
+        raise ValueError(f"{name}: the Ulysses degree {degree} must divide the group size {p}")
+    check_heads(name, problem.heads, degree, p)
+    shape, n = Shape.of_problem(problem), p // degree
+    msg = messages(shape, degree)
+    kv_heads = len(kv_plan(problem.heads, problem.kv_heads, degree)[0])
+    pairs = pair_work(problem.mask, Layout("contiguous"), problem.seq_len, n)
+
+    def work_at(t: int):
+        return head_split(pairs.by_offset(t), degree, problem.heads // degree, kv_heads)
+
+    into, back = (tuple(op for m in part for op in exchange_ops(degree, msg[m], degree == p, group))
+                  for part in EXCHANGES[phase])
+    q, kv, lse, acc = msg["q"], msg["kv"], msg["lse"], shape.acc_bytes
+    kv_acc = kv // shape.elem * shape.acc_elem  # the ring's float32 dk/dv
+    ring = 2 if n > 1 else 0  # the ring's current and next kv (and dk/dv in flight)
+    if phase == "forward":
+        live_in = 2 * (q + kv)  # send copies and received head-split q, kv
+        live_ring = q + (1 + ring) * kv + acc  # q_h, kv_h, the ring's kv, output accumulators
+        live_out = q + kv + acc + 3 * q + 2 * lse  # + out_h, send copies and received out, lse
+    else:
+        saved = 2 * q + kv + lse  # q_h, out_h, kv_h, lse_h kept from the forward
+        dq_acc = q // shape.elem * shape.acc_elem
+        live_in = saved + 2 * q  # dout's send copy and the received dout_h
+        live_ring = saved + q + dq_acc + ring * kv + (1 + ring) * kv_acc
+        live_out = saved + dq_acc + kv_acc + 2 * (q + msg["dkv"])
+    kv_op = CommOp("sendrecv", kv, peer=degree)  # ring neighbours are degree ranks apart
+    dkv_op = CommOp("sendrecv", kv_acc, peer=degree)
+    steps = [Step((), into, overlap=False, live_bytes=live_in)] if into else []
+    steps += ring_steps(n, work_at, kv_op, dkv_op, phase, live_ring)
+    if back:
+        steps.append(Step((), back, overlap=False, live_bytes=live_out))
+    return steps

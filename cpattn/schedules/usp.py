@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cost.steps import Problem, Step
 from ..cost.topology import Topology
 from .base import Runtime, Schedule, Shape, Volume
 from .ring import ring_backward, ring_forward, ring_volume
@@ -34,6 +35,7 @@ from .ulysses import (
     gather_dkv,
     gather_heads,
     gather_lse,
+    head_split_steps,
     kv_plan,
     scatter_heads,
     scatter_kv,
@@ -111,3 +113,15 @@ class USPSchedule(Schedule):
         kv_h = 2 * shape.batch * d * shape.local_len * k * shape.head_dim
         ring = ring_volume(shape.world // d, kv_h * shape.elem, kv_h * shape.acc_elem)
         return {phase: add_volumes(uly[phase], ring[phase]) for phase in ("forward", "backward")}
+
+    def steps(self, problem: Problem, phase: str) -> list[Step]:
+        """As run without a topology: the Ulysses exchanges of degree D, the ring across the P / D
+        groups, the exchanges back (:func:`~cpattn.schedules.ulysses.head_split_steps`)."""
+        return head_split_steps(problem, phase, self.degree(problem.heads, problem.world), self.name)
+
+    def steps_for(self, problem: Problem, phase: str, topology: Topology) -> list[Step]:
+        """As run with ``topology``: D from its devices per node; the point-to-point exchanges of a
+        strict subset run inside a node when D divides the devices per node."""
+        d = self.degree(problem.heads, problem.world, topology)
+        group = "node" if topology.devices_per_node % d == 0 else "world"
+        return head_split_steps(problem, phase, d, self.name, group)
