@@ -47,7 +47,7 @@ def _auto_schedule(mask: Mask, seq_len: int, world: int, topology: Topology | No
             log.warning("schedule='auto': ignoring the calibration profile (%s); using conservative defaults", exc)
             topology = cost.presets.local(world)
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    return cost.choose(cost.Problem(seq_len, world, mask, dtype=dtype, **AUTO_SHAPE), topology)
+    return cost.choose(cost.Problem(seq_len, world, mask, dtype=dtype, **AUTO_SHAPE), topology, nominal_shape=True)
 
 
 class ContextParallel:

@@ -581,3 +581,14 @@ def test_simulate_command_prints_and_plots(tmp_path, capsys):
     missing = [(r["gpus"], r["schedule"]) for r in rows if not r["estimate"]]
     assert missing == [(64, "ulysses")]  # 8 heads cannot split over 64 ranks (usp takes 8 of them)
     assert "zigzag_ring" in capsys.readouterr().out
+
+
+def test_auto_with_a_nominal_shape_does_not_refuse_for_memory():
+    """schedule="auto" sees only a stand-in shape: when nothing fits for it, it takes the leanest
+    schedule (the user's real shape may fit) instead of raising; an explicit problem still raises."""
+    big = Problem(1 << 20, 1, masks.causal(), heads=32, kv_heads=8, head_dim=128)
+    topo = presets.local(1)
+    with pytest.raises(ValueError, match="no registered schedule"):
+        choose(big, topo)
+    name, why = choose(big, topo, nominal_shape=True)
+    assert name in cpattn.schedules.names() and "needs the least" in why

@@ -171,6 +171,10 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
     return Estimate(total, compute, comm, total - compute, sent, peak, sched.name, phase, problem.flops(phase))
 
 
+#: how :func:`rank_schedules` words an exclusion for memory (``choose`` recognises it)
+_OVER_MEMORY = "needs "
+
+
 def check_supports(schedule: Schedule | str, problem: Problem) -> None:
     """Raise (ValueError / TypeError / NotImplementedError) unless ``schedule`` can run ``problem``:
     mask, layout split, shape and dtype (its own checks, on meta tensors), and a model (:func:`estimable`)."""
@@ -201,7 +205,7 @@ def rank_schedules(problem: Problem, topology: Topology, names: list[str] | None
             excluded.append((name, str(exc)))
             continue
         if est.peak_memory > topology.device.memory:
-            excluded.append((name, f"needs {est.peak_memory / 2**30:.1f} GiB per rank, the device has "
+            excluded.append((name, f"{_OVER_MEMORY}{est.peak_memory / 2**30:.1f} GiB per rank, the device has "
                                    f"{topology.device.memory / 2**30:.1f} GiB"))
             continue
         feasible.append((name, est))
@@ -209,10 +213,25 @@ def rank_schedules(problem: Problem, topology: Topology, names: list[str] | None
     return [*feasible, *excluded]
 
 
-def choose(problem: Problem, topology: Topology, names: list[str] | None = None) -> tuple[str, str]:
+def choose(problem: Problem, topology: Topology, names: list[str] | None = None,
+           nominal_shape: bool = False) -> tuple[str, str]:
     """``(name, why)`` of the fastest feasible schedule for ``problem`` (forward + backward).
-    Deterministic: the same inputs give the same choice on every rank, with no communication."""
+    Deterministic: the same inputs give the same choice on every rank, with no communication.
+
+    ``nominal_shape``: the problem's heads and head dim are a stand-in (``schedule="auto"`` picks before
+    it sees q, k, v), so when every supporting schedule is over the device memory only for that
+    shape, the one needing the least memory per rank is chosen (and ``why`` says so) instead of
+    raising: the real shape may well fit."""
     ranked = rank_schedules(problem, topology, names)
+    if (not ranked or not isinstance(ranked[0][1], Estimate)) and nominal_shape:
+        over = [n for n, r in ranked if isinstance(r, str) and r.startswith(_OVER_MEMORY)]
+        if over:
+            lean = min(((estimate(n, problem, topology), n) for n in over),
+                       key=lambda item: (item[0].peak_memory, item[0].total))
+            est, best = lean
+            return best, (f"no schedule fits {topology.device.memory / 2**30:.1f} GiB per rank for the nominal "
+                          f"shape (S={problem.seq_len}, P={problem.world}, h={problem.heads}, d={problem.head_dim}); "
+                          f"{best} needs the least ({est.peak_memory / 2**30:.1f} GiB)")
     if not ranked or not isinstance(ranked[0][1], Estimate):
         reasons = "; ".join(f"{n}: {r}" for n, r in ranked)
         raise ValueError(f"no registered schedule can run this problem ({reasons})")
