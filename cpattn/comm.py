@@ -184,12 +184,24 @@ class Communicator:
             return _Done()
         return self._finish(dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.group, async_op=True), async_op)
 
-    def all_gather(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
-        """``out`` (first dim = world_size * t's first dim) receives every rank's ``t`` in rank order."""
+    def _check_and_count_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        """Shape check and payload of an all-gather (flat or hierarchical: the same per rank)."""
         p = self.world_size
         if out.numel() != p * t.numel():
             raise ValueError(f"all_gather: out has {out.numel()} elements, expected {p} x {t.numel()}")
         self._count("all_gather", (p - 1) * _nbytes(t), (p - 1) * _nbytes(t))
+
+    def _check_and_count_scatter(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        """Shape check and payload of a reduce-scatter (flat or hierarchical: the same per rank)."""
+        p = self.world_size
+        if t.numel() != p * out.numel():
+            raise ValueError(f"reduce_scatter: input has {t.numel()} elements, expected {p} x {out.numel()}")
+        self._count("reduce_scatter", (p - 1) * _nbytes(out), (p - 1) * _nbytes(out))
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """``out`` (first dim = world_size * t's first dim) receives every rank's ``t`` in rank order."""
+        p = self.world_size
+        self._check_and_count_gather(out, t)
         if p == 1:
             out.copy_(t.view_as(out))
             return _Done()
@@ -198,9 +210,7 @@ class Communicator:
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` over ranks; rank r keeps the r-th of world_size equal slices in ``out``."""
         p = self.world_size
-        if t.numel() != p * out.numel():
-            raise ValueError(f"reduce_scatter: input has {t.numel()} elements, expected {p} x {out.numel()}")
-        self._count("reduce_scatter", (p - 1) * _nbytes(out), (p - 1) * _nbytes(out))
+        self._check_and_count_scatter(out, t)
         if p == 1:
             out.copy_(t.view_as(out))
             return _Done()
@@ -268,10 +278,8 @@ class Communicator:
         if levels is None:
             return self.all_gather(out, t, async_op)
         rail, node = levels
-        p, n_nodes, d = self.world_size, rail.world_size, node.world_size
-        if out.numel() != p * t.numel():
-            raise ValueError(f"all_gather: out has {out.numel()} elements, expected {p} x {t.numel()}")
-        self._count("all_gather", (p - 1) * _nbytes(t), (p - 1) * _nbytes(t))
+        n_nodes, d = rail.world_size, node.world_size
+        self._check_and_count_gather(out, t)
         by_node = self.new_buffer((n_nodes, *t.shape), t.dtype, t.device)
         first = rail.all_gather(by_node, t.contiguous(), async_op=True)
 
@@ -296,10 +304,8 @@ class Communicator:
         if levels is None:
             return self.reduce_scatter(out, t, async_op)
         rail, node = levels
-        p, n_nodes, d = self.world_size, rail.world_size, node.world_size
-        if t.numel() != p * out.numel():
-            raise ValueError(f"reduce_scatter: input has {t.numel()} elements, expected {p} x {out.numel()}")
-        self._count("reduce_scatter", (p - 1) * _nbytes(out), (p - 1) * _nbytes(out))
+        n_nodes, d = rail.world_size, node.world_size
+        self._check_and_count_scatter(out, t)
         by_local = t.reshape(n_nodes, d, -1).transpose(0, 1).contiguous()
         partial = self.new_buffer((n_nodes, out.numel()), out.dtype, out.device)
         first = node.reduce_scatter(partial, by_local, async_op=True)
