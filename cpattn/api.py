@@ -13,7 +13,7 @@ from . import kernels, schedules
 from . import layout as layout_mod
 from .comm import Communicator
 from .cost import Topology
-from .masks import Mask, causal, full, resolve
+from .masks import Mask, causal, full, resolve, sliding_window
 from .schedules.base import Attention, Runtime
 
 log = logging.getLogger(__name__)
@@ -235,28 +235,48 @@ def _functional(schedule_name: str):
             raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not supported; pass 0.0")
         if alibi_slopes is not None:
             raise NotImplementedError("alibi_slopes is not supported; pass None")
-        if tuple(window_size) != (-1, -1):
-            raise NotImplementedError(f"window_size={tuple(window_size)} is not supported yet; pass (-1, -1)")
+        mask = _window_mask(bool(causal), window_size)
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise ValueError("q must be a [batch, seq, heads, head_dim] tensor")
         world = Communicator(group).world_size
         seq_len = q.shape[1] * world
-        key = (schedule_name, id(group), seq_len, bool(causal))
+        key = (schedule_name, id(group), seq_len, mask)
         cp = _CACHE.get(key)
         if cp is None:
-            cp = ContextParallel(seq_len, mask=causal_mask() if causal else full_mask(),
-                                 schedule=schedule_name, group=group)
+            cp = ContextParallel(seq_len, mask=mask, schedule=schedule_name, group=group)
             _CACHE[key] = cp
         out, lse = cp.attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
         return (out, lse, None) if return_attn_probs else out
 
     attn_func.__name__ = f"{schedule_name}_attn_func"
     attn_func.__doc__ = (f"``{schedule_name}`` context-parallel attention with the flash-attn signature. Inputs are "
-                         f"this rank's tokens in the schedule's layout; returns ``out`` or ``(out, lse, None)``.")
+                         f"this rank's tokens in the schedule's layout; returns ``out`` or ``(out, lse, None)``. "
+                         f"``window_size=(left, right)``: the sliding-window mask (causal or symmetric).")
     return attn_func
 
 
-causal_mask, full_mask = causal, full
+def _window_mask(is_causal: bool, window_size) -> Mask:
+    """flash-attn's ``causal`` and ``window_size=(left, right)`` as a mask: query i attends keys
+    ``i - left .. i + right`` (-1: unbounded; ``causal`` forces right = 0). Causal windows and symmetric
+    ones are supported; other asymmetric windows raise."""
+    try:
+        left, right = (int(w) for w in window_size)
+        if (left, right) != tuple(window_size):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair of integers (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size={window_size!r}: each side is -1 (unbounded) or a number of tokens >= 0")
+    if is_causal or right == 0:
+        return causal() if left == -1 else sliding_window(left + 1, causal=True)
+    if (left, right) == (-1, -1):
+        return full()
+    if left == right:
+        return sliding_window(left + 1, causal=False)
+    raise NotImplementedError(f"window_size={(left, right)} with causal=False: only symmetric windows (w, w), "
+                              "(w, 0), (-1, 0) and (-1, -1) are supported; for other shapes build a mask "
+                              "(cpattn.masks.from_mask_mod) and use ContextParallel")
+
 
 ring_attn_func = _functional("ring")
 zigzag_ring_attn_func = _functional("zigzag_ring")

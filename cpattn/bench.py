@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import masks
-from .verify import DTYPES
+from .verify import DTYPES, assemble
 
 #: relative error against the one-process result above which a schedule is reported wrong
 CHECK_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2, "float16": 1e-2}
@@ -129,7 +129,10 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False) -> dict:
     c = BenchConfig(**cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     x = _inputs(c, device)
-    topology = Topology(*c.topology) if c.topology is not None and not baseline else None
+    topology = None
+    if c.topology is not None and not baseline:
+        topology = Topology(*c.topology) if device.type == "cuda" else \
+            emulated_topology(c.world, c.topology[0], c.threads_per_rank(), os.cpu_count() or 1)
     cp = ContextParallel(c.seq, c.mask, schedule, topology=topology, layout=None if baseline else c.layout)
     work = work_report(cp.layout, cp.mask, cp.padded_len, cp.world_size, cp.seq_len) if cp.rank == 0 else None
     q, k, v, dout = (cp.shard(x[n]) for n in ("q", "k", "v", "dout"))
@@ -170,14 +173,9 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return err if np.isfinite(err) else float("inf")
 
 
-def _assemble(per_rank: list[dict], name: str, seq: int) -> np.ndarray:
-    """The full-sequence tensor from every rank's local piece (padding rows, position -1, dropped)."""
-    first = per_rank[0]["check"][name]
-    full = np.full((first.shape[0], seq, *first.shape[2:]), np.nan, dtype=np.float32)
-    for r in per_rank:
-        real = r["positions"] >= 0
-        full[:, r["positions"][real]] = r["check"][name][:, real]
-    return full
+def _assemble(per_rank: list[dict], name: str) -> np.ndarray:
+    """The full-sequence tensor ``name`` from every rank's checked output (padding rows dropped)."""
+    return assemble([{name: r["check"][name], "positions": r["positions"]} for r in per_rank], name, 1).numpy()
 
 
 def _slowest_median(per_rank: list[dict], phase: str) -> float:
@@ -220,7 +218,7 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
     if fail(base):
         raise RuntimeError(f"the one-process baseline failed: {fail(base)}")
     base_fb, base_f = _slowest_median(base, "fwd_bwd"), _slowest_median(base, "fwd")
-    ref = {n: _assemble(base, n, cfg.seq) for n in ("out", "dq", "dk", "dv")}
+    ref = {n: _assemble(base, n) for n in ("out", "dq", "dk", "dv")}
     rows = []
     with LocalWorld(cfg.world, threads=tpr) as w:
         for name in schedule_names:
@@ -231,7 +229,7 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
                 row.ok, row.note = False, fail(res)
                 rows.append(row)
                 continue
-            row.error = max(_rel(_assemble(res, n, cfg.seq), ref[n]) for n in ref)
+            row.error = max(_rel(_assemble(res, n), ref[n]) for n in ref)
             if not row.error <= CHECK_TOLERANCE[cfg.dtype]:
                 row.ok, row.note = False, f"WRONG: relative error {row.error:.2e} vs one process"
                 rows.append(row)
@@ -251,24 +249,33 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
     return {"config": asdict(cfg), "baseline": baseline, "rows": [asdict(r) for r in rows], "environment": env}
 
 
+def emulated_topology(world: int, nodes: int, threads_per_rank: int, cores: int, profile=None):
+    """What ranks on this CPU plan for (``ultra``) and what the cost model predicts on: the ``local``
+    topology (this machine's calibration ``profile``, default: the one at the default location, else
+    conservative defaults) split into ``nodes`` emulated nodes."""
+    from .cost.presets import local
+    from .cost.profile import load_default
+
+    return local(world, profile if profile is not None else load_default(), threads_per_rank=threads_per_rank,
+                 cores=cores, nodes=nodes)
+
+
 def predict(result: dict, profile=None) -> dict:
     """Add the cost model's predictions to a :func:`run` result (in place; also returned).
 
     Each row gains ``pred_fwd_s``, ``pred_fwd_bwd_s`` and the relative errors ``pred_fwd_error`` and
-    ``pred_error`` ((predicted - measured) / measured), estimated on the ``local`` topology for the
-    run's world size, cores and threads per rank, from ``profile`` (a :class:`cpattn.cost.Profile`;
-    None = the profile at the default location, else conservative defaults); ``ultra`` from its plan
-    for that topology. A schedule the model cannot estimate keeps NaN and says why in
-    ``extra["prediction"]``. ``result["prediction"]`` gets the topology used and the median absolute
-    error over the rows.
+    ``pred_error`` ((predicted - measured) / measured), estimated on :func:`emulated_topology` for the
+    run's world size, emulated nodes, cores and threads per rank, from ``profile`` (a
+    :class:`cpattn.cost.Profile`; None = the profile at the default location, else conservative
+    defaults); ``ultra`` from its plan for that topology (on a CPU, the plan its ranks ran). A schedule
+    the model cannot estimate keeps NaN and says why in ``extra["prediction"]``. ``result["prediction"]``
+    gets the topology used and the median absolute error over the rows.
     """
     from .cost import Problem, estimate
-    from .cost.presets import local
-    from .cost.profile import load_default
 
     cfg, env = result["config"], result["environment"]
-    prof = profile if profile is not None else load_default()
-    topo = local(cfg["world"], prof, threads_per_rank=env["threads_per_rank"], cores=env["cores"])
+    nodes = cfg["topology"][0] if cfg.get("topology") else 1
+    topo = emulated_topology(cfg["world"], nodes, env["threads_per_rank"], env["cores"], profile)
     problem = Problem(cfg["seq"], cfg["world"], cfg["mask"], cfg["batch"], cfg["heads"], cfg["kv_heads"],
                       cfg["head_dim"], cfg["dtype"])
     for row in result["rows"]:

@@ -308,8 +308,9 @@ class CaseResult:
                 "exact_violations": self.exact_violations, "failure": self.failure}
 
 
-def _assemble(results: list[dict], name: str, seq_dim: int) -> torch.Tensor:
-    """The full tensor from every rank's real (non-padding) rows."""
+def assemble(results: list[dict], name: str, seq_dim: int) -> torch.Tensor:
+    """The full float64 tensor ``name`` from every rank's real (non-padding) rows: each result holds
+    its local array ``name`` and ``positions`` (global position per local row, -1 for padding)."""
     first = torch.from_numpy(results[0][name])
     shape = list(first.shape)
     shape[seq_dim] = sum(int((r["positions"] >= 0).sum()) for r in results)
@@ -317,7 +318,7 @@ def _assemble(results: list[dict], name: str, seq_dim: int) -> torch.Tensor:
     for r in results:
         pos = torch.from_numpy(r["positions"])
         real = (pos >= 0).nonzero().flatten()
-        full.index_copy_(seq_dim, pos[real], torch.from_numpy(r[name]).index_select(seq_dim, real))
+        full.index_copy_(seq_dim, pos[real], torch.from_numpy(r[name]).double().index_select(seq_dim, real))
     return full
 
 
@@ -371,7 +372,7 @@ def check(case: Case, per_rank: list) -> CaseResult:
     e_local = local_errors(x, case.mask, scale, allowed, ref)
     got = {}
     for q in QUANTITIES:
-        got[q] = _assemble(members, q, 2 if q == "lse" else 1)
+        got[q] = assemble(members, q, 2 if q == "lse" else 1)
         res.errors[q] = rel_error(got[q], ref[q])
         res.tolerances[q] = 2 * e_local[q] + 1e-6
     res.comm_mismatches = _compare_comm(members)

@@ -445,6 +445,14 @@ def test_profile_round_trips(tmp_path):
     assert topo.name == "local" and topo.world == 4 and topo.link_for("all_gather") == Link(1e-4, 5e8)
     # 4 ranks on 2 cores get half the core each rank had at calibration
     assert topo.device.rate("forward", "full", 256, 256) == pytest.approx(0.5e10)
+    # emulated nodes: the same figures, the loopback link across "nodes" too
+    split = presets.local(4, profile.load(path), nodes=2)
+    assert (split.nodes, split.devices_per_node, split.name) == (2, 2, "local 2x2")
+    assert split.device == topo.device and split.inter == split.intra == topo.intra
+    assert presets.local(6, nodes=3).devices_per_node == 2
+    for bad in (0, 5, 1.5):
+        with pytest.raises(ValueError, match="nodes must be"):
+            presets.local(4, nodes=bad)
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -20,6 +20,19 @@ def test_bad_input_raises_before_communication_on_every_rank(worlds, problem):
     assert all(r["calls"] == 0 for r in results)
 
 
+@pytest.mark.parametrize("window,error", [((-2, 0), ValueError), ((4,), ValueError), (("a", 1), ValueError),
+                                          ((4, 2), NotImplementedError), ((-1, 3), NotImplementedError)])
+def test_bad_window_size_raises_before_anything(window, error):
+    """No process group exists here: the check runs before the functional entry point looks for one."""
+    import torch
+
+    import cpattn
+
+    x = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(error, match="window_size"):
+        cpattn.ring_attn_func(x, x, x, window_size=window)
+
+
 def test_bidirectional_only_rejection_is_clear():
     import cpattn
     from cpattn.schedules.base import Schedule

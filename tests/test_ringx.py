@@ -151,6 +151,32 @@ def functional_matches(schedule: str) -> bool:
     return torch.equal(out, out_f) and torch.equal(lse, lse_f) and none is None
 
 
+def functional_window(schedule: str, causal: bool, window_size: tuple[int, int], layout: str) -> float:
+    """``<schedule>_attn_func(..., causal, window_size)`` on inputs in ``layout`` against a float64 dense
+    reference built here from flash-attn's rule (keys i - left .. i + right; causal: right = 0). Returns
+    the worst relative error of this rank's output."""
+    p, r = dist.get_world_size(), dist.get_rank()
+    seq = 12 * p
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, seq, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    func = getattr(cpattn, f"{schedule}_attn_func")
+    local = cpattn.layout.Layout(layout).positions(seq, p, r)
+    out = func(*(t[:, local].float() for t in (q, k, v)), causal=causal, window_size=window_size)
+    left, right = window_size
+    right = 0 if causal else right
+    i = torch.arange(seq)[:, None]
+    j = torch.arange(seq)[None, :]
+    allowed = torch.ones(seq, seq, dtype=torch.bool)
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0:
+        allowed &= j <= i + right
+    kk, vv = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) / 8 ** 0.5
+    ref = torch.einsum("bhqk,bkhd->bqhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv)[:, local]
+    return float((out.double() - ref).abs().max() / ref.abs().max())
+
+
 def poison_is_on() -> bool:
     return bool(Communicator.new_buffer((4,), torch.float32, "cpu").isnan().all())
 
@@ -254,6 +280,19 @@ def test_registry_declares_masks():
 @pytest.mark.parametrize("schedule", VARIANTS)
 def test_functional_entry_point(worlds, schedule):
     assert worlds.get(2).run(functional_matches, timeout=60, schedule=schedule) == [True, True]
+
+
+@pytest.mark.parametrize("schedule,causal,window,layout", [
+    ("ring", True, (5, 0), "contiguous"), ("ring", True, (5, 3), "contiguous"), ("ring", False, (3, 3), "contiguous"),
+    ("ring", False, (6, 0), "contiguous"), ("zigzag_ring", True, (4, -1), "zigzag"),
+    ("ringx3b", False, (4, 4), "contiguous"), ("ulysses", True, (7, -1), "contiguous"),
+    ("ringx1", False, (2, 2), "contiguous"), ("allgather", False, (-1, 0), "zigzag"),
+])
+def test_functional_window_size(worlds, schedule, causal, window, layout):
+    """flash-attn's window_size maps onto the sliding-window mask; exact against a dense reference."""
+    errors = worlds.get(2).run(functional_window, timeout=60, schedule=schedule, causal=causal,
+                               window_size=window, layout=layout)
+    assert max(errors) < 1e-5, errors
 
 
 # ---------------------------------------------------------------------------------- the release's defects

@@ -98,7 +98,7 @@ def bad_input(problem: str, schedule: str = "ring") -> dict:
         if problem == "dropout":
             cpattn.ring_attn_func(q, k, v, dropout_p=0.1)
         elif problem == "window":
-            cpattn.ring_attn_func(q, k, v, window_size=(4, 0))
+            cpattn.ring_attn_func(q, k, v, window_size=(4, 2))
         else:
             cp = cpattn.ContextParallel(**kwargs)
             cp.attention(q, k, v, softmax_scale=scale)
@@ -160,3 +160,4 @@ def distributed_merge_check(owner: int) -> dict:
             "lse_ok": bool(torch.equal(lse_m.isinf(), full_lse.isinf())),
             "lse_err": float((lse_m[~lse_m.isinf()] - full_lse[~full_lse.isinf()]).abs().max()),
             "nan": bool(o.isnan().any() or lse_m.isnan().any())}
+

@@ -72,8 +72,10 @@ def _nodes(name: str, world: int, per_node: int) -> tuple[int, int]:
 
 
 def local(world: int, profile: Profile | None = None, threads_per_rank: int | None = None,
-          cores: int | None = None) -> Topology:
+          cores: int | None = None, nodes: int = 1) -> Topology:
     """``world`` ranks on this machine, from ``profile`` (or the conservative defaults without one).
+    ``nodes`` > 1 emulates that many nodes of ``world // nodes`` ranks each (as gloo runs do): the
+    same machine's figures, its loopback link standing in for both the intra- and inter-node links.
 
     Measured kernel rates are rescaled to the cores each rank gets: ``min(threads_per_rank, cores /
     world)`` against the same figure at calibration time (ranks share the cores; oversubscribed ranks
@@ -82,9 +84,13 @@ def local(world: int, profile: Profile | None = None, threads_per_rank: int | No
     """
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
+    if not isinstance(nodes, int) or nodes < 1 or world % nodes:
+        raise ValueError(f"nodes must be a positive int dividing world={world}, got {nodes!r}")
+    shape = {"nodes": nodes, "devices_per_node": world // nodes}
+    where = "" if nodes == 1 else f" {nodes}x{world // nodes}"
     if profile is None:
-        return Topology(1, world, intra=LOCAL_DEFAULT_LINK, inter=LOCAL_DEFAULT_LINK,
-                        device=LOCAL_DEFAULT_DEVICE, overlap=0.0, name="local (uncalibrated)")
+        return Topology(**shape, intra=LOCAL_DEFAULT_LINK, inter=LOCAL_DEFAULT_LINK,
+                        device=LOCAL_DEFAULT_DEVICE, overlap=0.0, name=f"local{where} (uncalibrated)")
     cores = cores or profile.cores
     threads = threads_per_rank or max(1, cores // world)
     share_now = min(float(threads), cores / world)
@@ -96,8 +102,8 @@ def local(world: int, profile: Profile | None = None, threads_per_rank: int | No
                     memory_bandwidth=profile.memory_bandwidth, memory=profile.memory // world, launch=0.0,
                     table=profile.kernels).scaled(share_now / share_then)
     intra = profile.links["sendrecv"]
-    return Topology(1, world, intra=intra, inter=intra, device=device, overlap=profile.overlap,
-                    op_links=tuple(sorted(profile.links.items())), name="local")
+    return Topology(**shape, intra=intra, inter=intra, device=device, overlap=profile.overlap,
+                    op_links=tuple(sorted(profile.links.items())), name=f"local{where}")
 
 
 def preset(name: str, world: int, profile: Profile | None = None) -> Topology:

@@ -47,7 +47,7 @@ from .tiling import Kernel, allocate, fuse_all, owners
 log = logging.getLogger(__name__)
 
 SCHEMA = "cpattn-plan"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # also bumped when the planner's output changes, so cached plans are rebuilt
 CACHE_ENV = "CPATTN_CACHE_DIR"
 OP_KINDS = ("recv", "send", "compute", "merge")
 
@@ -527,7 +527,12 @@ def request(mask: Mask | str | dict, seq_len: int, topology: Topology, batch: in
 
 
 def _ops(graph: KernelGraph, timeline: Timeline, world: int) -> tuple[tuple[Op, ...], ...]:
-    """Each rank's operations sorted by predicted start (ties: dependency order)."""
+    """Each rank's operations in the order it issues them. Kernels and merges go at their predicted
+    start; a transfer is posted, on both its ranks, as soon as what it carries is ready (the end of its
+    last dependency), not at the start the scheduler gave it: the scheduler only places work on the
+    critical path early, and a send posted late stalls its receiver. Both ends order a transfer by the
+    same key, so every pair of ranks posts its messages in one order (which also keeps NCCL's in-order
+    point-to-point matching consistent in both directions). Ties: posting first, then dependency order."""
     deps = {t.name: t.deps for t in graph.tasks}
     topo = {name: n for n, name in enumerate(_topological(graph))}
     outputs = {item for item, _ in OUTPUTS[graph.phase]}
@@ -535,7 +540,11 @@ def _ops(graph: KernelGraph, timeline: Timeline, world: int) -> tuple[tuple[Op, 
 
     def add(rank: int, kind: str, idx: int, name: str, op_deps: tuple[str, ...]) -> None:
         op = Op(kind, idx, timeline.start[name], timeline.end[name], op_deps)
-        per_rank.setdefault(rank, []).append(((op.start, topo[name], OP_KINDS.index(kind)), op))
+        issue = op.start
+        if kind in ("send", "recv"):
+            issue = max((timeline.end[d] for d in deps[name]), default=0.0)
+        posting = kind in ("send", "recv")  # cheap and never blocking: first among equal times
+        per_rank.setdefault(rank, []).append(((issue, not posting, topo[name], OP_KINDS.index(kind)), op))
 
     for k, kn in enumerate(graph.kernels):
         add(kn.device, "compute", k, f"c{k}", deps[f"c{k}"])
