@@ -102,6 +102,9 @@ class ContextParallel:
         """The layout and the padded length it splits."""
         world, sched = self.comm.world_size, self.schedule
         if layout is None:
+            fitted = sched.default_layout(self.mask, seq_len, world)
+            if fitted is not None:
+                return fitted
             lay = layout_mod.Layout(sched.layout_for(self.mask))
             return lay, lay.padded_len(seq_len, world)
         if not sched.custom_layout:

@@ -14,6 +14,7 @@ at the end of the sequence, are masked out; see ``cpattn.blocks``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +134,40 @@ class Layout:
         return torch.cat([torch.arange(a, b) for a, b in rng])
 
 
+def pieces(layout: Layout, seq_len: int, world: int) -> tuple[int, tuple[int, ...]]:
+    """A range layout as equal pieces: ``(piece, order)`` where ``piece`` is the largest length that
+    every range boundary is a multiple of, and ``order`` lists the original piece index of each piece
+    as the ranks hold them (rank 0's in local order, then rank 1's, ...). Contiguous is the identity."""
+    ranges = [layout.ranges(seq_len, world, r) for r in range(world)]
+    if any(rr is None for rr in ranges):
+        raise ValueError(f"layout {layout.name!r} is not made of ranges")
+    piece = seq_len
+    for rr in ranges:
+        for a, b in rr:
+            piece = math.gcd(piece, a, b)
+    return piece, tuple(p for rr in ranges for a, b in rr for p in range(a // piece, b // piece))
+
+
+def from_pieces(order: tuple[int, ...], seq_len: int, world: int, name: str) -> Layout:
+    """The explicit layout that hands out ``seq_len / len(order)``-token pieces in ``order``, an equal
+    run of them per rank (the inverse of :func:`pieces`)."""
+    n0 = len(order)
+    if n0 < 1 or n0 % world or seq_len % n0 or sorted(order) != list(range(n0)):
+        raise ValueError(f"order must be a permutation of range(n0), n0 a multiple of world={world} dividing "
+                         f"seq_len={seq_len}; got {n0} pieces")
+    piece, per_rank = seq_len // n0, n0 // world
+    ranges = []
+    for r in range(world):
+        rr: list[tuple[int, int]] = []
+        for p in order[r * per_rank:(r + 1) * per_rank]:
+            if rr and rr[-1][1] == p * piece:
+                rr[-1] = (rr[-1][0], (p + 1) * piece)
+            else:
+                rr.append((p * piece, (p + 1) * piece))
+        ranges.append(rr)
+    return Layout.explicit(ranges, name=name)
+
+
 def shard(x: torch.Tensor, layout: Layout, world: int, rank: int, dim: int = 1) -> torch.Tensor:
     """This rank's tokens of the full tensor ``x`` (sequence at ``dim``), contiguous."""
     seq_len = x.shape[dim]
@@ -209,13 +244,4 @@ def balanced(mask: Mask, seq_len: int, world: int, valid_len: int | None = None,
         r = min((r for r in range(world) if len(owned[r]) < chunks_per_rank), key=lambda r: (load[r], r))
         load[r] += chunk_work[i]
         owned[r].append(i)
-    ranges = []
-    for chunks in owned:
-        rr: list[tuple[int, int]] = []
-        for i in sorted(chunks):
-            if rr and rr[-1][1] == i * c:
-                rr[-1] = (rr[-1][0], (i + 1) * c)
-            else:
-                rr.append((i * c, (i + 1) * c))
-        ranges.append(rr)
-    return Layout.explicit(ranges, name="balanced")
+    return from_pieces(tuple(i for chunks in owned for i in sorted(chunks)), seq_len, world, "balanced")

@@ -338,3 +338,67 @@ def test_plan_command_prints_and_draws(tmp_path, capsys):
     assert rc == 0 and "predicted ms" in out and "forward placement" in out
     assert heat.stat().st_size > 1000 and line.stat().st_size > 1000
     assert load_plan(js).world == 4
+
+
+# ---------------------------------------------------------------------------------- owner maps
+@pytest.mark.parametrize("spec", [
+    {"kind": "strided", "block_size": 8, "stride": 3}, {"kind": "document", "lengths": [5, 40, 19]},
+    {"kind": "global_local", "block_size": 8, "global_blocks": 1, "local_blocks": 2}, "causal",
+    {"kind": "sliding_window", "window": 13, "causal": False},
+])
+def test_permuted_table_equals_the_mask_read_in_the_ranks_order(spec):
+    """Permuting a block table piecewise agrees with classifying, pair by pair, the mask over the
+    reordered sequence (an independent path: a mask_mod on gathered positions, classified densely)."""
+    import torch
+
+    from cpattn.layout import Layout, from_pieces, pieces
+
+    base, seq, world = masks.resolve(spec), 64, 4
+    rng = random.Random(str(spec))
+    order = list(range(8))
+    rng.shuffle(order)
+    layout = from_pieces(tuple(order), seq, world, "shuffled")
+    piece, got_order = pieces(layout, seq, world)
+    assert (piece, got_order) == (8, tuple(order))
+    pos = torch.cat([layout.positions(seq, world, r) for r in range(world)])
+    reordered = masks.from_mask_mod(lambda q, k: base.mask_mod(pos[q], pos[k]), name="reordered")
+    for n in (8, 16):
+        assert bt.permute(bt.build(base, seq, n), tuple(order)) == bt.build(reordered, seq, n)
+    assert pieces(Layout("zigzag"), seq, world) == (8, (0, 7, 1, 6, 2, 5, 3, 4))
+    assert pieces(Layout("contiguous"), seq, world) == (16, (0, 1, 2, 3))
+
+
+def test_owner_map_choice():
+    from cpattn.planner import choose_order
+
+    rr = (0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
+    assert choose_order({"kind": "strided", "block_size": 1024, "stride": 4}, 16384, 4) == rr
+    for spec in ("causal", "full", {"kind": "sliding_window", "window": 3000},
+                 {"kind": "global_local", "block_size": 1024, "global_blocks": 1, "local_blocks": 2},
+                 {"kind": "streaming", "block_size": 1024, "sink": 1, "window": 3}):
+        assert choose_order(spec, 16384, 4) is None, spec
+    assert choose_order({"kind": "strided", "block_size": 1024, "stride": 4}, 16384, 1) is None
+    assert choose_order("causal", 64, 4) is None  # pieces would be under min_chunk_tokens
+
+
+def test_plans_on_owner_maps_map_back_and_validate():
+    mask = {"kind": "strided", "block_size": 16, "stride": 4}
+    order = (0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
+    plan = build_plan(request(mask, 256, Topology(2, 2), 1, 4, 2, 8, "float32", FAST, order=order))
+    assert plan.order == order and not plan.forward.transfers and not plan.backward.transfers
+    chunk = plan.table.chunk
+    covered = sorted(r for i in range(plan.table.n) for r in plan.source_ranges(i))
+    assert covered[0][0] == 0 and covered[-1][1] == 256 and all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    # plan chunk 1 holds the ranks' second piece onwards: original pieces 4, 8, ... in that order
+    first = plan.source_ranges(1)[0]
+    assert first == (16 * order[chunk // 16], 16 * order[chunk // 16] + 16)
+    assert sum(b - a for a, b in plan.source_ranges(1)) == chunk
+    assert Plan.from_json(plan.to_json()).order == order
+    for bad in ([1, 1, 2, 3], list(range(16))):  # not a permutation; the identity is stored as None
+        data = json.loads(plan.to_json())
+        data["key"]["order"] = bad
+        with pytest.raises(ValueError, match="order"):
+            Plan.from_json(json.dumps(data))
+    with pytest.raises(ValueError, match="order must be a permutation"):
+        request(mask, 256, Topology(2, 2), order=(0, 1, 2))
+    assert request(mask, 256, Topology(2, 2), order=tuple(range(8))).order is None

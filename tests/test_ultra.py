@@ -49,6 +49,18 @@ def plan_fingerprint(seq: int, mask: dict, topology: tuple[int, int]) -> str:
     return hashlib.sha256(plan.to_json().encode()).hexdigest()
 
 
+def fitted_layout_run(seq: int, mask: dict, topology: tuple[int, int] | None) -> dict:
+    """This rank's layout name and bytes sent in one forward + backward of ``ultra`` with the layout it
+    picks itself."""
+    import cpattn
+    from cpattn.cost import Topology
+
+    cp = cpattn.ContextParallel(seq, mask, "ultra", topology=None if topology is None else Topology(*topology))
+    q, k, v = (torch.randn(1, cp.local_len, h, 8, requires_grad=True) for h in (4, 2, 2))
+    cp.attention(q, k, v).sum().backward()
+    return {"layout": cp.layout.name, "sent": cp.comm_stats()["total"]["bytes_sent"]}
+
+
 # ---------------------------------------------------------------------------------- parent side
 @pytest.fixture(scope="module")
 def ultra_worlds(worlds, tmp_path_factory):
@@ -103,3 +115,43 @@ def test_every_rank_runs_the_same_plan(ultra_worlds):
     mask = {"kind": "strided", "block_size": 8, "stride": 3}
     prints = ultra_worlds.get(4).run(plan_fingerprint, seq=128, mask=mask, topology=(2, 2))
     assert len(set(prints)) == 1
+
+
+# ---------------------------------------------------------------------------------- owner maps
+def _strided_for(world: int) -> tuple[int, dict]:
+    """A strided mask whose stride is the world size, on blocks of one round-robin piece (4 per rank)."""
+    seq = 64 * world
+    return seq, {"kind": "strided", "block_size": 16, "stride": world}
+
+
+@pytest.mark.parametrize("world,topology", PLACES)
+def test_strided_by_the_world_size_runs_locally_and_exactly(ultra_worlds, world, topology):
+    """ultra deals the pieces round-robin, so every allowed pair is local: nothing is sent, and the
+    result is still exact (in the permuted plan, PARTIAL cells and causal squares map back to the
+    original positions)."""
+    seq, mask = _strided_for(world)
+    runs = ultra_worlds.get(world).run(fitted_layout_run, seq=seq, mask=mask, topology=topology)
+    assert {r["layout"] for r in runs} == {"ultra-round-robin-4"} and all(r["sent"] == 0 for r in runs), runs
+    case = verify.Case("ultra", world, "strided", "float32", heads=4, kv_heads=2, head_dim=8, seq=seq,
+                       topology=topology, mask_args={k: v for k, v in mask.items() if k != "kind"}, seed=300 + world)
+    result = verify.run(ultra_worlds.get(world), case)
+    assert result.passed, result.describe()
+
+
+@pytest.mark.parametrize("case", [
+    verify.Case("ultra", 4, "causal", "float32", heads=4, kv_heads=2, head_dim=8, seq=64, topology=(2, 2),
+                layout="zigzag", seed=310),
+    verify.Case("ultra", 4, "document", "float32", heads=8, kv_heads=2, head_dim=8, seq=128, topology=(2, 2),
+                layout="balanced", mask_args=verify.example_mask_args("document", 128), seed=311),
+    verify.Case("ultra", 2, "sliding_window", "float32", heads=4, kv_heads=4, head_dim=8, seq=96,
+                layout="balanced", mask_args={"window": 11}, seed=312),
+    verify.Case("ultra", 2, "strided", "bfloat16", heads=4, kv_heads=2, head_dim=8, seq=250,
+                mask_args={"block_size": 16, "stride": 2}, seed=313),  # padded to 256, then round-robin
+    verify.Case("ultra", 8, "global_local", "float32", heads=4, kv_heads=4, head_dim=8, seq=128, topology=(2, 4),
+                layout="zigzag", mask_args=verify.example_mask_args("global_local", 128), seed=314),
+], ids=lambda c: c.label[:90])
+def test_ultra_runs_on_other_owner_maps(ultra_worlds, case):
+    """Layouts given by the user (zigzag, balanced) and the round-robin one with padding: the plan holds
+    the sequence reordered and the executor maps every cell back."""
+    result = verify.run(ultra_worlds.get(case.world), case)
+    assert result.passed, result.describe()

@@ -8,6 +8,7 @@ from .plan import (
     Request,
     build_plan,
     cache_dir,
+    choose_order,
     get_plan,
     load_plan,
     request,
@@ -15,5 +16,5 @@ from .plan import (
     validate,
 )
 
-__all__ = ["BlockTable", "Plan", "PlanOptions", "Request", "build_plan", "cache_dir", "get_plan", "load_plan",
-           "request", "save_plan", "validate"]
+__all__ = ["BlockTable", "Plan", "PlanOptions", "Request", "build_plan", "cache_dir", "choose_order", "get_plan",
+           "load_plan", "request", "save_plan", "validate"]

@@ -141,6 +141,21 @@ def build(mask: Mask, seq_len: int, n: int, valid_len: int | None = None) -> Blo
     return BlockTable(n, c, tuple(kinds), tuple(areas))
 
 
+def permute(table: BlockTable, order: tuple[int, ...]) -> BlockTable:
+    """``table`` over the sequence reordered piecewise: the reordered sequence is the ``len(order)``
+    equal pieces of the original taken in ``order`` (piece ``order[p]`` goes to place p). Each piece
+    must be a whole number of the table's chunks (within a piece, chunks keep their order, so a cell's
+    kind carries over unchanged)."""
+    n0 = len(order)
+    if sorted(order) != list(range(n0)) or n0 < 1 or table.n % n0:
+        raise ValueError(f"order must be a permutation of range(n0) with n0 dividing the table's {table.n} chunks, "
+                         f"got {n0} pieces")
+    r = table.n // n0
+    src = [order[a // r] * r + a % r for a in range(table.n)]
+    cells = [src[a] * table.n + src[b] for a in range(table.n) for b in range(table.n)]
+    return BlockTable(table.n, table.chunk, tuple(table.kinds[c] for c in cells), tuple(table.area[c] for c in cells))
+
+
 def from_pattern(rows: list[str], chunk: int) -> BlockTable:
     """A table from symbols (``.`` empty, ``#`` full, ``\\`` causal); PARTIAL cells need a mask."""
     sym = {".": "empty", "#": "full", "\\": "causal"}

@@ -147,6 +147,33 @@ class Plan:
     def chunks_per_rank(self) -> int:
         return self.table.n // self.world
 
+    @property
+    def order(self) -> tuple[int, ...] | None:
+        """The sequence's pieces in the ranks' order (None: contiguous); plan chunks index the sequence
+        so reordered."""
+        order = self.key.get("order")
+        return None if order is None else tuple(order)
+
+    def source_ranges(self, chunk: int) -> list[tuple[int, int]]:
+        """Original ``[start, stop)`` token ranges of plan chunk ``chunk``, in order."""
+        n = self.table.chunk
+        start, end = chunk * n, (chunk + 1) * n
+        order = self.order
+        if order is None:
+            return [(start, end)]
+        piece = int(self.key["seq_len"]) // len(order)
+        out: list[tuple[int, int]] = []
+        while start < end:
+            p, off = divmod(start, piece)
+            step = min(piece - off, end - start)
+            a = order[p] * piece + off
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], a + step)
+            else:
+                out.append((a, a + step))
+            start += step
+        return out
+
     def phase(self, name: str) -> PhasePlan:
         if name not in PHASES:
             raise ValueError(f"phase={name!r} is unknown; accepted: {', '.join(PHASES)}")
@@ -359,6 +386,10 @@ def validate(plan: Plan) -> None:
         raise ValueError("key.table does not match the block table")
     if plan.table.n % plan.world or tuple(owners(plan.table.n, plan.world)) != plan.owner:
         raise ValueError("ownership is not contiguous over the world")
+    if plan.key.get("order") is not None:
+        order = _check_order(plan.key["order"], int(plan.key["seq_len"]), plan.world)
+        if order is None or int(plan.key["seq_len"]) % plan.table.n:
+            raise ValueError("key.order is the identity or does not fit the table")
     topology = _topology_of(plan)
     for name in PHASES:
         ph = plan.phase(name)
@@ -423,9 +454,12 @@ def _balanced_compute(table: BlockTable, topology: Topology, problem: Problem) -
 
 
 def choose_granularity(mask: Mask, topology: Topology, problem: Problem, options: PlanOptions,
-                       valid_len: int | None = None) -> tuple[BlockTable, int]:
+                       valid_len: int | None = None, order: tuple[int, ...] | None = None
+                       ) -> tuple[BlockTable, int]:
     """The block table and node-level chunk (see the module docstring); positions ``>= valid_len``
-    are padding."""
+    are padding. ``order``: the ranks hold the sequence's ``len(order)`` equal pieces in this order
+    (see :func:`cpattn.layout.pieces`; None: contiguous); the table is of the sequence so reordered,
+    classified at a granularity that splits every piece."""
     world, seq_len = topology.world, problem.seq_len
     if options.chunks_per_rank is not None:
         if seq_len % (world * options.chunks_per_rank):
@@ -436,10 +470,15 @@ def choose_granularity(mask: Mask, topology: Topology, problem: Problem, options
         candidates = [c for c in (1, 2, 4, 8, 16, 32) if c == 1 or (
             c <= options.max_chunks_per_rank and world * c <= options.max_chunks and seq_len % (world * c) == 0
             and seq_len // (world * c) >= options.min_chunk_tokens)]
-    finest = bt.build(mask, seq_len, world * candidates[-1], valid_len)  # classified once, then coarsened
+    n_finest = world * candidates[-1] if order is None else math.lcm(world * candidates[-1], len(order))
+    if seq_len % n_finest:
+        raise ValueError(f"seq_len={seq_len} cannot be cut into {n_finest} chunks (the layout's pieces x ranks)")
+    finest = bt.build(mask, seq_len, n_finest, valid_len)  # classified once, then coarsened
+    if order is not None:
+        finest = bt.permute(finest, order)
     best = None
     for c in candidates:  # finer until the balanced compute time stops improving
-        table = finest.coarsen(candidates[-1] // c)
+        table = finest.coarsen(n_finest // (world * c))
         seconds = _balanced_compute(table, topology, problem)
         if best is not None and seconds >= best[0]:
             break
@@ -496,10 +535,11 @@ class Request:
     table: BlockTable
     node_chunk: int
     valid_len: int
+    order: tuple[int, ...] | None = None  # pieces of the sequence in the ranks' order; None: contiguous
 
     def key(self) -> dict:
         return {"mask": self.mask.name, "table": self.table.digest(), "seq_len": self.seq_len,
-                "valid_len": self.valid_len,
+                "valid_len": self.valid_len, "order": None if self.order is None else list(self.order),
                 "world": self.topology.world, "nodes": self.topology.nodes,
                 "devices_per_node": self.topology.devices_per_node, "topology": _topology_digest(self.topology),
                 "topology_name": self.topology.name, "batch": self.batch, "heads": self.heads,
@@ -513,17 +553,73 @@ class Request:
 
 def request(mask: Mask | str | dict, seq_len: int, topology: Topology, batch: int = 1, heads: int = 8,
             kv_heads: int = 8, head_dim: int = 64, dtype: str = "bfloat16", options: PlanOptions | None = None,
-            valid_len: int | None = None) -> Request:
+            valid_len: int | None = None, order: tuple[int, ...] | None = None) -> Request:
     """Check the problem and resolve its granularity (no solver runs here). ``seq_len`` tokens, of
-    which those at positions ``>= valid_len`` (default: none) are padding."""
+    which those at positions ``>= valid_len`` (default: none) are padding. ``order``: how the ranks hold
+    the sequence, as equal pieces (:func:`cpattn.layout.pieces`; None or the identity: contiguous)."""
     mask = resolve(mask)
     options = options or PlanOptions()
     _check_problem(seq_len, topology, batch, heads, kv_heads, head_dim, dtype)
+    order = _check_order(order, seq_len, topology.world)
     valid = seq_len if valid_len is None else valid_len
     problem = Problem(seq_len, topology.world, mask, batch, heads, kv_heads, head_dim, dtype)
-    table, node_chunk = choose_granularity(mask, topology, problem, options, valid)
+    table, node_chunk = choose_granularity(mask, topology, problem, options, valid, order)
     return Request(mask, seq_len, topology, batch, heads, kv_heads, head_dim, dtype, options, table, node_chunk,
-                   valid)
+                   valid, order)
+
+
+def choose_order(mask: Mask | str | dict, seq_len: int, world: int, valid_len: int | None = None,
+                 options: PlanOptions | None = None) -> tuple[int, ...] | None:
+    """The owner map ``ultra`` runs on by default: None (contiguous) or the sequence cut into
+    ``world * c`` pieces dealt round-robin (piece p to rank p mod world; c in 2, 4, 8 within the
+    granularity limits of ``options``), as :func:`cpattn.layout.pieces` orders them.
+
+    Each map is scored on the mask's block table at the finest of those granularities: the work of
+    cells whose query and key chunks sit on different ranks (it needs traffic wherever it runs) plus
+    each rank's local work above its ``(1 + eps)`` share (it must be moved off). Round-robin is taken
+    when it scores under 3/4 of contiguous: strided patterns whose stride is a multiple of the
+    ranks' count become purely local; windows, documents and global rows stay contiguous."""
+    mask = resolve(mask)
+    options = options or PlanOptions()
+    cands = [c for c in (2, 4, 8) if c <= options.max_chunks_per_rank and world * c <= options.max_chunks
+             and seq_len % (world * c) == 0 and seq_len // (world * c) >= options.min_chunk_tokens]
+    if world == 1 or not cands:
+        return None
+    n = world * cands[-1]
+    table = bt.build(mask, seq_len, n, valid_len)
+    cells = [(i, j, table.work(i, j)) for i, j in table.cells()]
+    fair = (1 + options.eps) * sum(w for _, _, w in cells) / world
+
+    def score(owner: list[int]) -> float:
+        local = [0] * world
+        remote = 0
+        for i, j, w in cells:
+            if owner[i] == owner[j]:
+                local[owner[i]] += w
+            else:
+                remote += w
+        return remote + sum(max(0.0, x - fair) for x in local)
+
+    best, best_order = 0.75 * score([i * world // n for i in range(n)]), None
+    for c in cands:
+        per_piece = n // (world * c)
+        sc = score([(i // per_piece) % world for i in range(n)])
+        if sc < best:
+            best, best_order = sc, tuple(p for r in range(world) for p in range(r, world * c, world))
+    return best_order
+
+
+def _check_order(order, seq_len: int, world: int) -> tuple[int, ...] | None:
+    """``order`` as a tuple, None for the identity; ValueError unless it is a permutation of equal
+    pieces that splits evenly over the ranks."""
+    if order is None:
+        return None
+    order = tuple(int(p) for p in order)
+    n0 = len(order)
+    if n0 < 1 or sorted(order) != list(range(n0)) or n0 % world or seq_len % n0:
+        raise ValueError(f"order must be a permutation of range(n0) with n0 a multiple of world={world} that "
+                         f"divides seq_len={seq_len}; got {n0} pieces")
+    return None if order == tuple(range(n0)) else order
 
 
 def _ops(graph: KernelGraph, timeline: Timeline, world: int) -> tuple[tuple[Op, ...], ...]:

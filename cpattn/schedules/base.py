@@ -126,6 +126,11 @@ class Schedule:
         """The layout this schedule uses for ``mask`` (most schedules have one)."""
         return self.layout
 
+    def default_layout(self, mask: Mask, seq_len: int, world: int) -> tuple[Layout, int] | None:
+        """A layout fitted to this problem and the padded length it splits, for schedules that choose
+        one per problem (``ultra``); None: the named :meth:`layout_for`. Pure, so every rank agrees."""
+        return None
+
     def check_mask(self, mask: Mask) -> None:
         """Raise before any communication if this schedule cannot run ``mask`` exactly."""
         if self.masks != "any" and mask.name not in self.masks:

@@ -47,9 +47,12 @@ from ..cost.profile import ProfileError
 from ..cost.steps import Problem, split_phase
 from ..cost.topology import Topology
 from ..kernels import acc_dtype
+from ..layout import Layout
+from ..layout import from_pieces as layout_from_pieces
+from ..layout import pieces as layout_pieces
 from ..masks import BlockKind
 from ..merge import merge_into
-from ..planner import Plan, PlanOptions, Request, get_plan, request
+from ..planner import Plan, PlanOptions, Request, choose_order, get_plan, request
 from ..planner.kernel_graph import INPUTS, Sizes
 from ..planner.plan import Op
 from .base import Runtime, Schedule, Shape, Volume
@@ -260,11 +263,20 @@ class _Phase:
             self._fold("dkv", j, torch.stack([dk[:, t * n:(t + 1) * n], dv[:, t * n:(t + 1) * n]]))
 
     def _dense(self, i: int, j: int) -> torch.Tensor:
-        """Boolean mask of cell (i, j); padding rows and columns (positions >= valid_len) attend nothing."""
+        """Boolean mask of cell (i, j), assembled from the original token ranges of its chunks (the plan
+        may hold the sequence reordered); padding rows and columns (positions >= valid_len) attend
+        nothing."""
         n, valid = self.chunk, self.plan.key["valid_len"]
         allowed = torch.zeros(n, n, dtype=torch.bool)
-        q1, k1 = min((i + 1) * n, valid), min((j + 1) * n, valid)
-        allowed[:q1 - i * n, :k1 - j * n] = self.rt.mask.dense(i * n, q1, j * n, k1)
+        row = 0
+        for q0, q1 in self.plan.source_ranges(i):
+            col = 0
+            for k0, k1 in self.plan.source_ranges(j):
+                qe, ke = min(q1, valid), min(k1, valid)
+                if qe > q0 and ke > k0:
+                    allowed[row:row + qe - q0, col:col + ke - k0] = self.rt.mask.dense(q0, qe, k0, ke)
+                col += k1 - k0
+            row += q1 - q0
         return allowed.to(self.device)
 
     # ------------------------------------------------------------------ run
@@ -291,6 +303,7 @@ class _Phase:
 class UltraSchedule(Schedule):
     name = "ultra"
     layout = "contiguous"
+    custom_layout = True
     masks = "any"
     memory = "O(local) + the chunks the plan brings in"
     planned = True
@@ -311,7 +324,9 @@ class UltraSchedule(Schedule):
             raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
                              f"but the group has {rt.world}")
         b, _, h, d = q.shape
-        args = (rt.mask, rt.seq_len, topology, b, h, k.shape[2], d, _DTYPE_NAMES[q.dtype], self.options, rt.valid_len)
+        _, order = layout_pieces(rt.layout, rt.seq_len, rt.world)
+        args = (rt.mask, rt.seq_len, topology, b, h, k.shape[2], d, _DTYPE_NAMES[q.dtype], self.options, rt.valid_len,
+                order)
         req = self._requests.get(args)
         if req is None:  # resolving a request classifies the mask's cells: once per problem
             req = self._requests[args] = request(*args)
@@ -333,8 +348,9 @@ class UltraSchedule(Schedule):
         them); ``peak_memory``, the resident tensors plus everything a rank receives and sends in the
         phase (its buffers live to the end of the phase). Planning takes from under a second to tens of
         seconds (64 ranks, 512K tokens)."""
+        order = choose_order(problem.mask, problem.seq_len, problem.world, options=self.options)
         args = (problem.mask, problem.seq_len, topology, problem.batch, problem.heads, problem.kv_heads,
-                problem.head_dim, problem.dtype, self.options, None)
+                problem.head_dim, problem.dtype, self.options, None, order)
         req = self._requests.get(args)
         if req is None:
             req = self._requests[args] = request(*args)
@@ -358,6 +374,15 @@ class UltraSchedule(Schedule):
             sent += max(out)
             peak = max(peak, resident_bytes(problem, ph) + max(a + b for a, b in zip(out, into)))
         return Estimate(total, compute, comm, total - compute, sent, peak, self.name, phase, problem.flops(phase))
+
+    def default_layout(self, mask, seq_len: int, world: int) -> tuple[Layout, int] | None:
+        """Round-robin pieces when :func:`cpattn.planner.choose_order` finds that they keep clearly more
+        work local than contiguous ranks (e.g. strided masks); None (contiguous) otherwise."""
+        padded = Layout(self.layout).padded_len(seq_len, world)
+        order = choose_order(mask, padded, world, valid_len=seq_len, options=self.options)
+        if order is None:
+            return None
+        return layout_from_pieces(order, padded, world, f"ultra-round-robin-{len(order) // world}"), padded
 
     def _distribute(self, rt: Runtime, req: Request, device: torch.device) -> Plan:
         if rt.world == 1:
