@@ -376,8 +376,12 @@ def _cmd_plan(args) -> int:
     mask = resolve(json.loads(args.mask) if args.mask.lstrip().startswith("{") else args.mask)
     options = planner.PlanOptions(eps=args.eps, time_budget=args.time_budget, use_solver=not args.no_solver,
                                   chunks_per_rank=args.chunks_per_rank)
+    order = None if args.owner_map == "contiguous" else planner.choose_order(mask, args.seq, args.gpus, options=options)
     req = planner.request(mask, args.seq, topology, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype,
-                          options)
+                          options, order=order)
+    owner_map = "contiguous" if order is None else (f"round-robin, {len(order) // args.gpus} pieces of "
+                                                    f"{args.seq // len(order)} tokens per rank (cells in the "
+                                                    "ranks' order)")
     err = Console(stderr=True)
     with err.status(f"planning {args.gpus} devices ({topology.nodes} x {topology.devices_per_node})"):
         plan = planner.get_plan(req, cache=not args.no_cache, directory=args.cache_dir)
@@ -386,7 +390,8 @@ def _cmd_plan(args) -> int:
     out.print(f"[bold]UltraAttn plan[/bold]: mask {mask!r}, S={args.seq}, {topology.nodes} x "
               f"{topology.devices_per_node} devices ({topology.name}), h={args.heads}:{args.kv_heads} "
               f"d={args.head_dim} b={args.batch} {args.dtype}; {table.n} x {table.n} cells of {table.chunk} tokens "
-              f"({plan.chunks_per_rank} per rank), node-level chunk {req.node_chunk}; built in {plan.seconds:.1f} s; "
+              f"({plan.chunks_per_rank} per rank), node-level chunk {req.node_chunk}; owner map: {owner_map}; "
+              f"built in {plan.seconds:.1f} s; "
               f"cache: {'off' if args.no_cache else args.cache_dir or planner.cache_dir()}")
     levels = Table(title="placement (partition ILP per level; V = busiest unit's traffic in message units)")
     for col in ("phase", "level", "method", "status", "V", "greedy V", "max load / bound", "s"):
@@ -528,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--time-budget", type=float, default=15.0, help="seconds of CP-SAT solving per plan (default 15)")
     pl.add_argument("--no-solver", action="store_true", help="greedy placement and list schedule only")
     pl.add_argument("--chunks-per-rank", type=int, default=None, help="fix the granularity (default: automatic)")
+    pl.add_argument("--owner-map", choices=["auto", "contiguous"], default="auto",
+                    help="which rank holds which tokens: ultra's own choice (round-robin pieces when they keep "
+                         "clearly more work local) or contiguous (default auto)")
     pl.add_argument("--cache-dir", default=None, help="plan cache (default $CPATTN_CACHE_DIR or ~/.cache/cpattn/plans)")
     pl.add_argument("--no-cache", action="store_true", help="always plan anew; store nothing")
     pl.add_argument("--json", help="also write the plan JSON to this path")

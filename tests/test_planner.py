@@ -338,6 +338,16 @@ def test_plan_command_prints_and_draws(tmp_path, capsys):
     assert rc == 0 and "predicted ms" in out and "forward placement" in out
     assert heat.stat().st_size > 1000 and line.stat().st_size > 1000
     assert load_plan(js).world == 4
+    assert "owner map: contiguous" in out
+
+
+@pytest.mark.parametrize("owner_map,expected", [("auto", "owner map: round-robin, 4 pieces"),
+                                                ("contiguous", "owner map: contiguous")])
+def test_plan_command_shows_the_owner_map(tmp_path, capsys, owner_map, expected):
+    rc = cli.main(["plan", "--topology", "2x2", "--gpus", "4", "--seq", "256", "--heads", "4", "--kv-heads", "2",
+                   "--head-dim", "16", "--mask", '{"kind": "strided", "block_size": 16, "stride": 4}',
+                   "--time-budget", "1", "--no-cache", "--heatmap", "", "--timeline", "", "--owner-map", owner_map])
+    assert rc == 0 and expected in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------- owner maps
