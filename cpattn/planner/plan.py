@@ -473,7 +473,7 @@ def choose_granularity(mask: Mask, topology: Topology, problem: Problem, options
     n_finest = world * candidates[-1] if order is None else math.lcm(world * candidates[-1], len(order))
     if seq_len % n_finest:
         raise ValueError(f"seq_len={seq_len} cannot be cut into {n_finest} chunks (the layout's pieces x ranks)")
-    finest = bt.build(mask, seq_len, n_finest, valid_len)  # classified once, then coarsened
+    finest = bt.build_cached(mask, seq_len, n_finest, valid_len)  # classified once, then coarsened
     if order is not None:
         finest = bt.permute(finest, order)
     best = None
@@ -586,7 +586,7 @@ def choose_order(mask: Mask | str | dict, seq_len: int, world: int, valid_len: i
     if world == 1 or not cands:
         return None
     n = world * cands[-1]
-    table = bt.build(mask, seq_len, n, valid_len)
+    table = bt.build_cached(mask, seq_len, n, valid_len)
     cells = [(i, j, table.work(i, j)) for i, j in table.cells()]
     fair = (1 + options.eps) * sum(w for _, _, w in cells) / world
 
