@@ -193,7 +193,11 @@ def build(phase: str, table: BlockTable, kernels: list[Kernel], owner: list[int]
     for k, kn in enumerate(kernels):
         area = sum(table.area[i * table.n + j] for i in kn.rows for j in kn.cols)
         ck = CostKernel(kn.kind, len(kn.rows) * table.chunk, len(kn.cols) * table.chunk, area)
-        tasks.append(compute(f"c{k}", kn.device, device.kernel_time(ck, problem, phase), deps[f"c{k}"]))
+        # the kernel's outputs are folded into per-chunk accumulators on the same lane, right after it
+        folded = sum(len(kn.rows if per == "rows" else kn.cols) * sizes.item_bytes(item)
+                     for item, per in OUTPUTS[phase])
+        seconds = device.kernel_time(ck, problem, phase) + merge_time(device, folded)
+        tasks.append(compute(f"c{k}", kn.device, seconds, deps[f"c{k}"]))
     for n, t in enumerate(transfers):
         nbytes = sizes.item_bytes(t.item)
         task = transfer(f"t{n}", t.src, t.dst, nbytes, topology, deps[f"t{n}"])

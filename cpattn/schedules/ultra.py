@@ -207,16 +207,21 @@ class _Phase:
 
     # ------------------------------------------------------------------ accumulators
     def _fold(self, item: str, chunk: int, value) -> None:
-        """Fold a partial result into this rank's accumulator of (item, chunk)."""
+        """Fold a partial result into this rank's accumulator of (item, chunk). ``value``: (out, lse)
+        for ``o``; the dq tensor; for ``dkv`` a packed [2, ...] tensor (as received) or a (dk, dv) pair
+        (a kernel's column slices, added without packing them first)."""
         if self._owned(chunk):
             target = self._own_acc(item, chunk)
-        elif (item, chunk) not in self.partial:
-            self.partial[item, chunk] = value  # the first contribution becomes the accumulator
+        elif (item, chunk) not in self.partial:  # the first contribution becomes the accumulator
+            self.partial[item, chunk] = torch.stack(value) if isinstance(value, tuple) and item == "dkv" else value
             return
         else:
             target = self.partial[item, chunk]
         if item == "o":
             merge_into(target[0], target[1], value[0], value[1])
+        elif item == "dkv":
+            target[0].add_(value[0])
+            target[1].add_(value[1])
         else:
             target.add_(value)
 
@@ -260,7 +265,7 @@ class _Phase:
         for t, i in enumerate(kn.rows):
             self._fold("dq", i, dq[:, t * n:(t + 1) * n])
         for t, j in enumerate(kn.cols):
-            self._fold("dkv", j, torch.stack([dk[:, t * n:(t + 1) * n], dv[:, t * n:(t + 1) * n]]))
+            self._fold("dkv", j, (dk[:, t * n:(t + 1) * n], dv[:, t * n:(t + 1) * n]))
 
     def _dense(self, i: int, j: int) -> torch.Tensor:
         """Boolean mask of cell (i, j), assembled from the original token ranges of its chunks (the plan
