@@ -47,7 +47,7 @@ from .tiling import Kernel, allocate, fuse_all, owners
 log = logging.getLogger(__name__)
 
 SCHEMA = "cpattn-plan"
-SCHEMA_VERSION = 2  # also bumped when the planner's output changes, so cached plans are rebuilt
+SCHEMA_VERSION = 3  # also bumped when the planner's output changes, so cached plans are rebuilt
 CACHE_ENV = "CPATTN_CACHE_DIR"
 OP_KINDS = ("recv", "send", "compute", "merge")
 
