@@ -412,3 +412,24 @@ def test_plans_on_owner_maps_map_back_and_validate():
     with pytest.raises(ValueError, match="order must be a permutation"):
         request(mask, 256, Topology(2, 2), order=(0, 1, 2))
     assert request(mask, 256, Topology(2, 2), order=tuple(range(8))).order is None
+
+
+def test_validation_requires_one_order_per_pair_of_ranks():
+    """Directed orders alone are not enough on NCCL: a rank that posts a send to a peer before a receive
+    from it, where the peer posts them the other way round, is rejected."""
+    mask = {"kind": "global_local", "block_size": 16, "global_blocks": 1, "local_blocks": 2}
+    plan = build_plan(request(mask, 128, Topology(1, 2), 1, 4, 2, 8, "float32", FAST))
+    for name in ("forward", "backward"):
+        for r in (0, 1):
+            data = json.loads(plan.to_json())
+            ops = data["phases"][name]["ops"][r]
+            for y, op in enumerate(ops):  # a send that waits on nothing, after a receive from the same peer
+                if op[0] != "send" or op[4]:
+                    continue
+                before = [x for x in range(y) if ops[x][0] in ("send", "recv")]
+                if before and ops[before[-1]][0] == "recv":
+                    ops.insert(before[-1], ops.pop(y))  # the send moves just ahead of that receive
+                    with pytest.raises(ValueError, match="different orders"):
+                        Plan.from_json(json.dumps(data))
+                    return
+    pytest.fail("no receive followed by an independent send in this plan")
