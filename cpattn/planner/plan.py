@@ -345,7 +345,9 @@ def _check_ops(plan: Plan, ph: PhasePlan, deps: dict[str, tuple[str, ...]]) -> N
             if sends != recvs:
                 raise ValueError(f"{ph.phase}: rank {src} sends to {dst} in the order {sends}, which receives "
                                  f"in the order {recvs}")
-    # ... and in one order across both directions (NCCL matches a pair's operations in sequence)
+    _check_progress(ph)
+    # every pair of ranks posts its transfers in one order across both directions (NCCL matches a
+    # pair's operations in sequence, whatever their direction)
     for a in range(world):
         for b in range(a + 1, world):
             seqs = [[op.id for op in ph.ops[r] if op.kind in ("send", "recv")
@@ -353,7 +355,6 @@ def _check_ops(plan: Plan, ph: PhasePlan, deps: dict[str, tuple[str, ...]]) -> N
             if seqs[0] != seqs[1]:
                 raise ValueError(f"{ph.phase}: ranks {a} and {b} post their transfers in different orders "
                                  f"({seqs[0]} and {seqs[1]})")
-    _check_progress(ph)
 
 
 def _check_progress(ph: PhasePlan) -> None:
