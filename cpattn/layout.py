@@ -148,13 +148,22 @@ def pieces(layout: Layout, seq_len: int, world: int) -> tuple[int, tuple[int, ..
     return piece, tuple(p for rr in ranges for a, b in rr for p in range(a // piece, b // piece))
 
 
+def check_order(order, seq_len: int, world: int) -> tuple[int, ...]:
+    """``order`` (as :func:`pieces` gives it) as a tuple; ValueError unless it is a permutation of
+    ``n0`` equal pieces, ``n0`` a multiple of ``world`` that divides ``seq_len``."""
+    order = tuple(int(p) for p in order)
+    n0 = len(order)
+    if n0 < 1 or sorted(order) != list(range(n0)) or n0 % world or seq_len % n0:
+        raise ValueError(f"order must be a permutation of range(n0) with n0 a multiple of world={world} that "
+                         f"divides seq_len={seq_len}; got {n0} pieces")
+    return order
+
+
 def from_pieces(order: tuple[int, ...], seq_len: int, world: int, name: str) -> Layout:
     """The explicit layout that hands out ``seq_len / len(order)``-token pieces in ``order``, an equal
     run of them per rank (the inverse of :func:`pieces`)."""
+    order = check_order(order, seq_len, world)
     n0 = len(order)
-    if n0 < 1 or n0 % world or seq_len % n0 or sorted(order) != list(range(n0)):
-        raise ValueError(f"order must be a permutation of range(n0), n0 a multiple of world={world} dividing "
-                         f"seq_len={seq_len}; got {n0} pieces")
     piece, per_rank = seq_len // n0, n0 // world
     ranges = []
     for r in range(world):

@@ -35,6 +35,7 @@ from ..cost.simulator import Timeline, simulate
 from ..cost.steps import DTYPE_BYTES, Problem
 from ..cost.steps import Kernel as CostKernel
 from ..cost.topology import Topology
+from ..layout import check_order
 from ..masks import Mask, resolve
 from . import block_table as bt
 from .block_table import BlockTable
@@ -623,12 +624,8 @@ def _check_order(order, seq_len: int, world: int) -> tuple[int, ...] | None:
     pieces that splits evenly over the ranks."""
     if order is None:
         return None
-    order = tuple(int(p) for p in order)
-    n0 = len(order)
-    if n0 < 1 or sorted(order) != list(range(n0)) or n0 % world or seq_len % n0:
-        raise ValueError(f"order must be a permutation of range(n0) with n0 a multiple of world={world} that "
-                         f"divides seq_len={seq_len}; got {n0} pieces")
-    return None if order == tuple(range(n0)) else order
+    order = check_order(order, seq_len, world)
+    return None if order == tuple(range(len(order))) else order
 
 
 def _ops(graph: KernelGraph, timeline: Timeline, world: int) -> tuple[tuple[Op, ...], ...]:
