@@ -1,22 +1,33 @@
-"""The front door: :class:`ContextParallel` and the flash-attn style ``*_attn_func`` functions."""
+"""The front door: :class:`ContextParallel` and the flash-attn style ``*_attn_func`` functions.
+
+``ContextParallel`` wires a mask, a layout and a schedule object to a process group and owns what a
+run keeps: the block lists of its runtime and, for planned schedules (``ultra``), the plans it built
+(both bounded, keyed by value). Planning happens here, not in the schedule: group rank 0 builds the
+plan with ``cpattn.planner`` (or reads it from the plan cache) and broadcasts it as JSON.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 
 import torch
 import torch.distributed as dist
 
-from . import kernels, schedules
+from . import cost, kernels, planner, schedules
 from . import layout as layout_mod
 from .comm import Communicator
-from .cost import Topology
+from .cost.profile import ProfileError
 from .masks import Mask, causal, full, resolve, sliding_window
-from .schedules.base import Attention, Runtime
+from .schedules.base import Attention, BoundedCache, Runtime, Schedule
+from .steps import Problem
+from .topology import Topology
 
 log = logging.getLogger(__name__)
+#: plans a ContextParallel keeps (one per q/k shape and dtype it has run)
+PLANS_KEPT = 8
 
 
 #: the per-rank shape ``schedule="auto"`` estimates with: the layout (which ``shard`` needs) is fixed at
@@ -36,29 +47,46 @@ def _auto_schedule(mask: Mask, seq_len: int, world: int, topology: Topology | No
     Pure and deterministic, so every rank makes the same choice without communicating, as long as they
     see the same topology (on several hosts, pass one explicitly: profiles may differ between hosts).
     """
-    from . import cost
-    from .cost.profile import ProfileError
-
     layout_mod.Layout("contiguous").check(seq_len, world)
     if topology is None:
-        try:
-            topology = cost.presets.preset("local", world)
-        except ProfileError as exc:
-            log.warning("schedule='auto': ignoring the calibration profile (%s); using conservative defaults", exc)
-            topology = cost.presets.local(world)
+        topology = _local_topology(world, "schedule='auto'")
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     return cost.choose(cost.Problem(seq_len, world, mask, dtype=dtype, **AUTO_SHAPE), topology, nominal_shape=True)
+
+
+def _local_topology(world: int, who: str) -> Topology:
+    """This machine as one node: its calibration profile's figures, or conservative defaults (with a
+    warning when the profile cannot be read)."""
+    try:
+        return cost.presets.preset("local", world)
+    except ProfileError as exc:
+        log.warning("%s: ignoring the calibration profile (%s); using conservative defaults", who, exc)
+        return cost.presets.local(world)
+
+
+def _broadcast_text(comm: Communicator, text: str | None, device: torch.device) -> str:
+    """Group rank 0's ``text`` on every rank (its length, then its UTF-8 bytes, as tensors on ``device``:
+    NCCL only moves GPU tensors)."""
+    raw = text.encode() if comm.rank == 0 else b""
+    length = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+    comm.broadcast(length, src=0)
+    data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    if comm.rank == 0:
+        data.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    comm.broadcast(data, src=0)
+    return data.cpu().numpy().tobytes().decode()
 
 
 class ContextParallel:
     """Exact attention over a sequence of ``seq_len`` tokens split across the ranks of ``group``.
 
     ``mask``: a :class:`cpattn.masks.Mask`, ``"causal"``, ``"full"`` or a mask spec dict
-    (``cpattn.masks.from_spec``). ``schedule``: a name from ``cpattn.schedules.available()`` or
-    ``"auto"``. ``backend``: local kernels, ``"auto"``, ``"aten"`` or ``"math"``. ``layout``: None (the
-    schedule's own), ``"balanced"`` (an explicit layout that evens out the mask's work per rank,
-    ``cpattn.layout.balanced``), a layout name or a :class:`cpattn.layout.Layout`; only schedules with
-    ``custom_layout`` accept one. Every argument is checked here, before any communication.
+    (``cpattn.masks.from_spec``). ``schedule``: a name from ``cpattn.schedules.available()``,
+    ``"auto"``, or a schedule object with options (``cpattn.schedules.USP(ulysses_degree=2)``,
+    ``cpattn.schedules.Ultra(cpattn.planner.PlanOptions(...))``). ``backend``: local kernels, ``"auto"``,
+    ``"aten"`` or ``"math"``. ``layout``: None (the schedule's own), ``"balanced"`` (an explicit layout that evens
+    out the mask's work per rank, ``cpattn.layout.balanced``), a layout name or a :class:`cpattn.layout.Layout`;
+    only schedules with ``custom_layout`` accept one. Every argument is checked here, before any communication.
 
     Padding: when the layout cannot split ``seq_len`` evenly, the sequence is padded at its end to
     ``padded_len`` with tokens that attend nothing and that nothing attends. ``shard`` takes the
@@ -68,7 +96,7 @@ class ContextParallel:
     marks padding rows with -1.
     """
 
-    def __init__(self, seq_len: int, mask: Mask | str | dict = "causal", schedule: str = "auto",
+    def __init__(self, seq_len: int, mask: Mask | str | dict = "causal", schedule: str | Schedule = "auto",
                  group: dist.ProcessGroup | None = None, topology: Topology | None = None,
                  backend: str = "auto", layout: str | layout_mod.Layout | None = None) -> None:
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
@@ -78,18 +106,16 @@ class ContextParallel:
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a cpattn.cost.Topology or None, got {type(topology).__name__}")
         self.comm = Communicator(group)
-        self._gather_comm = Communicator(group)  # unshard traffic is not attention traffic
+        self._gather_comm = Communicator(group, record=False)  # unshard traffic is not attention traffic
         if topology is not None and topology.world != self.comm.world_size:
             raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
                              f"but the group has {self.comm.world_size}")
         self.topology = topology
-        if not isinstance(schedule, str):
-            raise TypeError(f"schedule must be a name (str), got {type(schedule).__name__}")
         if schedule == "auto":
             even = -(-seq_len // (2 * self.comm.world_size)) * 2 * self.comm.world_size  # padded
             schedule, why = _auto_schedule(self.mask, even, self.comm.world_size, topology)
             log.debug("schedule='auto' chose %s: %s", schedule, why)
-        self.schedule = schedules.get(schedule)
+        self.schedule = schedules.resolve(schedule)
         self.schedule.check_mask(self.mask)
         self.mask.check_seq_len(seq_len)
         self.layout, self.padded_len = self._choose_layout(layout, seq_len)
@@ -97,14 +123,19 @@ class ContextParallel:
         self.backend = backend
         self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
                                 topology=topology, valid_len=seq_len)
+        self._plans = BoundedCache(PLANS_KEPT)
 
     def _choose_layout(self, layout, seq_len: int) -> tuple[layout_mod.Layout, int]:
         """The layout and the padded length it splits."""
         world, sched = self.comm.world_size, self.schedule
         if layout is None:
-            fitted = sched.default_layout(self.mask, seq_len, world)
-            if fitted is not None:
-                return fitted
+            if sched.planned:  # the planner picks the owner map (round-robin pieces for strided masks)
+                padded = layout_mod.Layout(sched.layout_for(self.mask)).padded_len(seq_len, world)
+                order = planner.choose_order(self.mask, padded, world, valid_len=seq_len,
+                                             options=sched.plan_options)
+                if order is not None:
+                    name = f"{sched.name}-round-robin-{len(order) // world}"
+                    return layout_mod.from_pieces(order, padded, world, name), padded
             lay = layout_mod.Layout(sched.layout_for(self.mask))
             return lay, lay.padded_len(seq_len, world)
         if not sched.custom_layout:
@@ -214,9 +245,58 @@ class ContextParallel:
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` in this schedule's layout -> local ``out``
         (and ``lse [b, h, s]`` float32 with ``return_lse``). Differentiable in q, k, v."""
         scale = self._validate(q, k, v, softmax_scale)
-        rt = dataclasses.replace(self._runtime, scale=scale)
+        plan = self.plan(q, k) if self.schedule.planned else None
+        rt = dataclasses.replace(self._runtime, scale=scale, plan=plan)
         out, lse = Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.schedule, rt)
         return (out, lse) if return_lse else out
+
+    # ------------------------------------------------------------------ plans (planned schedules)
+    def _plan_request(self, q: torch.Tensor, k: torch.Tensor):
+        topology = self.topology if self.topology is not None else _local_topology(self.world_size, "ultra")
+        b, _, h, d = q.shape
+        _, order = layout_mod.pieces(self.layout, self.padded_len, self.world_size)
+        return planner.request(self.mask, self.padded_len, topology, b, h, k.shape[2], d,
+                               kernels.dtype_name(q.dtype), self.schedule.plan_options,
+                               self.seq_len, order)
+
+    def plan(self, q: torch.Tensor, k: torch.Tensor):
+        """The plan a planned schedule runs for local ``q``, ``k`` (kept per shape and dtype): built (or
+        read from the plan cache) on group rank 0 and broadcast, so every rank runs the same plan.
+        Planning errors are raised on every rank."""
+        if not self.schedule.planned:
+            raise ValueError(f"schedule {self.schedule.name!r} does not run a plan")
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device.type)
+        return self._plans.get(key, lambda: self._distribute_plan(q, k))
+
+    def _distribute_plan(self, q: torch.Tensor, k: torch.Tensor):
+        if self.world_size == 1:
+            return planner.get_plan(self._plan_request(q, k))
+        setup = Communicator(self.comm.group, record=False)  # planning traffic is not attention traffic
+        text = None
+        if setup.rank == 0:
+            try:
+                text = planner.get_plan(self._plan_request(q, k)).to_json()
+            except Exception as exc:  # every rank must hear about it, or they would wait forever
+                text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+        text = _broadcast_text(setup, text, q.device)
+        if text.startswith('{"error":'):
+            raise RuntimeError(f"{self.schedule.name}: planning failed on rank 0: {json.loads(text)['error']}")
+        return planner.Plan.from_json(text)
+
+    def problem(self, q: torch.Tensor, k: torch.Tensor) -> Problem:
+        """The :class:`cpattn.steps.Problem` of a call with local ``q``, ``k`` (padded length)."""
+        b, _, h, d = q.shape
+        return Problem(self.padded_len, self.world_size, self.mask, b, h, k.shape[2], d, kernels.dtype_name(q.dtype))
+
+    def expected_volume(self, q: torch.Tensor, k: torch.Tensor) -> dict[str, dict[str, dict[str, int]]]:
+        """What ``comm_stats()`` must count on this rank for one forward and one backward with local
+        ``q``, ``k``, per phase: the schedule's volume (from its steps), or its plan's."""
+        if self.schedule.planned:
+            plan = self.plan(q, k)
+            sizes = plan.sizes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
+                               torch.empty((), dtype=kernels.acc_dtype(q.dtype)).element_size())
+            return plan.volume(self.rank, sizes)
+        return self.schedule.volume(self.problem(q, k), self.rank, self.topology)
 
     # ------------------------------------------------------------------ accounting
     def comm_stats(self) -> dict[str, dict[str, int]]:
@@ -228,7 +308,10 @@ class ContextParallel:
 
 
 # ---------------------------------------------------------------------- functional entry points
-_CACHE: dict[tuple, ContextParallel] = {}
+#: ContextParallel objects of the functional entry points, keyed by value (schedule, the group's global
+#: ranks, sequence length, mask), at most :data:`FUNCTIONAL_KEPT`
+FUNCTIONAL_KEPT = 32
+_CACHE = BoundedCache(FUNCTIONAL_KEPT)
 
 
 def _functional(schedule_name: str):
@@ -241,20 +324,23 @@ def _functional(schedule_name: str):
         mask = _window_mask(bool(causal), window_size)
         if not isinstance(q, torch.Tensor) or q.dim() != 4:
             raise ValueError("q must be a [batch, seq, heads, head_dim] tensor")
-        world = Communicator(group).world_size
-        seq_len = q.shape[1] * world
-        key = (schedule_name, id(group), seq_len, mask)
-        cp = _CACHE.get(key)
-        if cp is None:
-            cp = ContextParallel(seq_len, mask=mask, schedule=schedule_name, group=group)
-            _CACHE[key] = cp
+        if deterministic and q.device.type != "cpu":
+            raise NotImplementedError(f"deterministic=True is guaranteed on the CPU only, not on {q.device.type}: "
+                                      "the GPU kernels' backward may accumulate in any order")
+        members = Communicator(group, record=False)
+        seq_len = q.shape[1] * members.world_size
+        ranks = tuple(members.global_rank(r) for r in range(members.world_size))
+        key = (schedule_name, ranks, seq_len, mask)
+        cp = _CACHE.get(key, lambda: ContextParallel(seq_len, mask=mask, schedule=schedule_name, group=group))
         out, lse = cp.attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
         return (out, lse, None) if return_attn_probs else out
 
     attn_func.__name__ = f"{schedule_name}_attn_func"
     attn_func.__doc__ = (f"``{schedule_name}`` context-parallel attention with the flash-attn signature. Inputs are "
                          f"this rank's tokens in the schedule's layout; returns ``out`` or ``(out, lse, None)``. "
-                         f"``window_size=(left, right)``: the sliding-window mask (causal or symmetric).")
+                         f"``window_size=(left, right)``: the sliding-window mask (causal or symmetric). "
+                         f"``deterministic=True``: bitwise-reproducible results, guaranteed on the CPU "
+                         f"(NotImplementedError on other devices).")
     return attn_func
 
 

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from . import masks
-from .verify import DTYPES, assemble
+from .kernels import DTYPES
+from .steps import attention_flops
+from .verify import assemble
 
 #: relative error against the one-process result above which a schedule is reported wrong
 CHECK_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2, "float16": 1e-2}
@@ -123,8 +125,8 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False) -> dict:
     """Runs on every rank: one checked call, then warm-up and timed iterations. The one-process
     ``baseline`` ignores the topology and layout."""
     from .api import ContextParallel
-    from .cost import Topology
     from .layout import work_report
+    from .topology import Topology
 
     c = BenchConfig(**cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -184,10 +186,10 @@ def _slowest_median(per_rank: list[dict], phase: str) -> float:
 
 
 def flops(cfg: BenchConfig) -> tuple[float, float]:
-    """Attention FLOPs (forward, forward + backward) from the mask's allowed area (bench.md)."""
+    """Attention FLOPs (forward, forward + backward) from the mask's allowed area (docs/bench.md)."""
     pairs = masks.allowed_pairs(masks.resolve(cfg.mask), cfg.seq)
-    fwd = 4.0 * cfg.batch * cfg.heads * cfg.head_dim * pairs
-    return fwd, fwd * 3.5
+    return (attention_flops(cfg.batch, cfg.heads, cfg.head_dim, pairs, "forward"),
+            attention_flops(cfg.batch, cfg.heads, cfg.head_dim, pairs, "forward+backward"))
 
 
 def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: float = 1800.0) -> dict:

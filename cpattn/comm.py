@@ -4,7 +4,8 @@ All ranks here are *group-relative* (0 .. world_size - 1 inside ``group``); conv
 ranks torch.distributed wants happens in exactly one place (:meth:`Communicator.global_rank`).
 
 Accounting (``stats()``), per op kind, counts calls and the *payload* bytes that must leave or enter
-this rank whatever algorithm the library picks:
+this rank whatever algorithm the library picks. :func:`cpattn.steps.payload` is this table, the one rule that the
+communicator, the schedules' ``volume()`` (derived from their ``steps()``) and the cost model share:
 
 | op | bytes_sent | bytes_recv |
 |---|---|---|
@@ -22,7 +23,8 @@ receives over its two levels ((N-1) n across nodes plus (D-1) N n inside the nod
 devices), so a schedule's volume does not depend on the topology. Each level is also counted in the
 stats of its own sub-communicator (:meth:`Communicator.hierarchy`).
 
-Schedules declare their analytic volume in the same units; tests assert the two agree.
+With ``cpattn.trace.recording()`` active, every call is also recorded (issue and wait), for the
+tests that compare a schedule's run with its ``steps()``.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .cost.topology import Topology
+from . import trace
+from .steps import payload
+from .topology import Topology
 
-OPS = ("send", "recv", "broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch >= 2.7 names the flat collectives *_single; older releases only have *_tensor
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -83,14 +86,30 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class _Recorded:
+    """A handle whose ``wait()`` is recorded (``cpattn.trace``) the first time."""
+
+    def __init__(self, handle, call: int) -> None:
+        self.handle, self.call = handle, call
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            trace.wait(self.call)
+
+
 class Communicator:
     """Collectives and point-to-point on one process group, with byte accounting.
 
     ``group=None`` means WORLD; when torch.distributed is not initialised it is a one-rank world, so
-    every schedule also runs as plain local attention.
+    every schedule also runs as plain local attention. ``record=False``: never recorded by
+    ``cpattn.trace`` (traffic that is not the schedule's own, e.g. ``unshard`` or the levels of a
+    hierarchical collective, which is recorded as one call).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, record: bool = True) -> None:
+        self.record = record
         if not dist.is_available() or not dist.is_initialized():
             if group is not None:
                 raise ValueError("group was given but torch.distributed is not initialised")
@@ -113,11 +132,14 @@ class Communicator:
             raise ValueError(f"group rank {group_rank} outside [0, {self.world_size})")
         return self._global_ranks[group_rank]
 
-    def _count(self, op: str, sent: int, recv: int) -> None:
+    def _count(self, op: str, nbytes: int, root: int = 0) -> tuple[str, int, int]:
+        """Account one ``op`` of ``nbytes`` (see :func:`payload`); returns ``(op, sent, recv)``."""
+        sent, recv = payload(op, nbytes, self.world_size, self.rank, root)
         s = self._stats[op]
         s["calls"] += 1
-        s["bytes_sent"] += int(sent)
-        s["bytes_recv"] += int(recv)
+        s["bytes_sent"] += sent
+        s["bytes_recv"] += recv
+        return op, sent, recv
 
     def stats(self) -> dict[str, dict[str, int]]:
         """``{op: {"calls", "bytes_sent", "bytes_recv"}}`` plus ``"total"``, for this rank."""
@@ -142,89 +164,92 @@ class Communicator:
         """Batched async point-to-point: ``sends`` / ``recvs`` are ``(tensor, group_rank)`` pairs.
         ``tag`` separates message streams between the same pair of ranks (e.g. kv vs gradients).
         Returns a handle; wait on it before reading received tensors or reusing sent ones."""
-        ops = []
+        ops, counted = [], []
         for t, peer in sends:
             ops.append(dist.P2POp(dist.isend, t, self.global_rank(peer), self.group, tag))
-            self._count("send", _nbytes(t), 0)
+            counted.append(self._count("send", _nbytes(t)))
         for t, peer in recvs:
             ops.append(dist.P2POp(dist.irecv, t, self.global_rank(peer), self.group, tag))
-            self._count("recv", 0, _nbytes(t))
+            counted.append(self._count("recv", _nbytes(t)))
         if not ops:
             return _Done()
-        return _Many(dist.batch_isend_irecv(ops))
+        return self._issue(counted, _Many(dist.batch_isend_irecv(ops)))
 
     # ------------------------------------------------------------------ collectives
-    def _finish(self, work, async_op: bool):
+    def _issue(self, counted: list[tuple[str, int, int]], work, async_op: bool = True):
+        """The handle of a call already counted (``counted``) and started (``work``; None: done),
+        recorded when ``cpattn.trace`` records; waited for here unless ``async_op``."""
+        handle = work if work is not None else _Done()
+        call = trace.issue(counted) if self.record else None
+        if call is not None:
+            handle = _Recorded(handle, call)
         if async_op:
-            return work if work is not None else _Done()
-        if work is not None:
-            work.wait()
+            return handle
+        handle.wait()
         return _Done()
 
     def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):
         """Broadcast ``t`` (in place) from group rank ``src``."""
-        self._count("broadcast", _nbytes(t) if self.rank == src else 0, 0 if self.rank == src else _nbytes(t))
+        counted = [self._count("broadcast", _nbytes(t), root=src)]
         if self.world_size == 1:
-            return _Done()
-        return self._finish(dist.broadcast(t, self.global_rank(src), group=self.group, async_op=True), async_op)
+            return self._issue(counted, None, async_op)
+        return self._issue(counted, dist.broadcast(t, self.global_rank(src), group=self.group, async_op=True),
+                           async_op)
 
     def reduce(self, t: torch.Tensor, dst: int, op: str = "sum", async_op: bool = False):
         """Reduce ``t`` (in place) onto group rank ``dst``; other ranks' ``t`` is scratch afterwards."""
-        self._count("reduce", 0 if self.rank == dst else _nbytes(t), _nbytes(t) if self.rank == dst else 0)
+        counted = [self._count("reduce", _nbytes(t), root=dst)]
         if self.world_size == 1:
-            return _Done()
+            return self._issue(counted, None, async_op)
         work = dist.reduce(t, self.global_rank(dst), op=_REDUCE_OPS[op], group=self.group, async_op=True)
-        return self._finish(work, async_op)
+        return self._issue(counted, work, async_op)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
-        p = self.world_size
-        vol = 2 * (p - 1) * _nbytes(t) // p
-        self._count("all_reduce", vol, vol)
-        if p == 1:
-            return _Done()
-        return self._finish(dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.group, async_op=True), async_op)
+        counted = [self._count("all_reduce", _nbytes(t))]
+        if self.world_size == 1:
+            return self._issue(counted, None, async_op)
+        return self._issue(counted, dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.group, async_op=True),
+                           async_op)
 
-    def _check_and_count_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
+    def _check_and_count_gather(self, out: torch.Tensor, t: torch.Tensor) -> list[tuple[str, int, int]]:
         """Shape check and payload of an all-gather (flat or hierarchical: the same per rank)."""
         p = self.world_size
         if out.numel() != p * t.numel():
             raise ValueError(f"all_gather: out has {out.numel()} elements, expected {p} x {t.numel()}")
-        self._count("all_gather", (p - 1) * _nbytes(t), (p - 1) * _nbytes(t))
+        return [self._count("all_gather", _nbytes(t))]
 
-    def _check_and_count_scatter(self, out: torch.Tensor, t: torch.Tensor) -> None:
+    def _check_and_count_scatter(self, out: torch.Tensor, t: torch.Tensor) -> list[tuple[str, int, int]]:
         """Shape check and payload of a reduce-scatter (flat or hierarchical: the same per rank)."""
         p = self.world_size
         if t.numel() != p * out.numel():
             raise ValueError(f"reduce_scatter: input has {t.numel()} elements, expected {p} x {out.numel()}")
-        self._count("reduce_scatter", (p - 1) * _nbytes(out), (p - 1) * _nbytes(out))
+        return [self._count("reduce_scatter", _nbytes(out))]
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """``out`` (first dim = world_size * t's first dim) receives every rank's ``t`` in rank order."""
-        p = self.world_size
-        self._check_and_count_gather(out, t)
-        if p == 1:
+        counted = self._check_and_count_gather(out, t)
+        if self.world_size == 1:
             out.copy_(t.view_as(out))
-            return _Done()
-        return self._finish(_ALL_GATHER(out.view(-1), t.reshape(-1), group=self.group, async_op=True), async_op)
+            return self._issue(counted, None, async_op)
+        return self._issue(counted, _ALL_GATHER(out.view(-1), t.reshape(-1), group=self.group, async_op=True),
+                           async_op)
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` over ranks; rank r keeps the r-th of world_size equal slices in ``out``."""
-        p = self.world_size
-        self._check_and_count_scatter(out, t)
-        if p == 1:
+        counted = self._check_and_count_scatter(out, t)
+        if self.world_size == 1:
             out.copy_(t.view_as(out))
-            return _Done()
-        return self._finish(_REDUCE_SCATTER(out.view(-1), t.reshape(-1), group=self.group, async_op=True), async_op)
+            return self._issue(counted, None, async_op)
+        return self._issue(counted, _REDUCE_SCATTER(out.view(-1), t.reshape(-1), group=self.group, async_op=True),
+                           async_op)
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Equal-split all-to-all along the first dim (slice j of ``t`` goes to rank j)."""
-        p = self.world_size
-        vol = (p - 1) * _nbytes(t) // p
-        self._count("all_to_all", vol, vol)
-        if p == 1:
+        counted = [self._count("all_to_all", _nbytes(t))]
+        if self.world_size == 1:
             out.copy_(t)
-            return _Done()
-        return self._finish(dist.all_to_all_single(out, t, group=self.group, async_op=True), async_op)
+            return self._issue(counted, None, async_op)
+        return self._issue(counted, dist.all_to_all_single(out, t, group=self.group, async_op=True), async_op)
 
     # ------------------------------------------------------------------ hierarchical collectives
     def hierarchy(self, topology: Topology | None) -> tuple[Communicator, Communicator] | None:
@@ -262,7 +287,7 @@ class Communicator:
         rail, node = _HIERARCHY[key]
         subs = self._subs.get(key)
         if subs is None:
-            subs = self._subs[key] = (Communicator(rail), Communicator(node))
+            subs = self._subs[key] = (Communicator(rail, record=False), Communicator(node, record=False))
         return subs
 
     def hierarchical_all_gather(self, out: torch.Tensor, t: torch.Tensor, topology: Topology | None,
@@ -279,7 +304,7 @@ class Communicator:
             return self.all_gather(out, t, async_op)
         rail, node = levels
         n_nodes, d = rail.world_size, node.world_size
-        self._check_and_count_gather(out, t)
+        counted = self._check_and_count_gather(out, t)
         by_node = self.new_buffer((n_nodes, *t.shape), t.dtype, t.device)
         first = rail.all_gather(by_node, t.contiguous(), async_op=True)
 
@@ -288,7 +313,7 @@ class Communicator:
             node.all_gather(by_local, by_node)
             out.view(n_nodes, d, -1).copy_(by_local.view(d, n_nodes, -1).transpose(0, 1))
 
-        return self._then(first, finish, async_op)
+        return self._issue(counted, _Then(first, finish), async_op)
 
     def hierarchical_reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, topology: Topology | None,
                                     async_op: bool = False):
@@ -305,19 +330,11 @@ class Communicator:
             return self.reduce_scatter(out, t, async_op)
         rail, node = levels
         n_nodes, d = rail.world_size, node.world_size
-        self._check_and_count_scatter(out, t)
+        counted = self._check_and_count_scatter(out, t)
         by_local = t.reshape(n_nodes, d, -1).transpose(0, 1).contiguous()
         partial = self.new_buffer((n_nodes, out.numel()), out.dtype, out.device)
         first = node.reduce_scatter(partial, by_local, async_op=True)
-        return self._then(first, lambda: rail.reduce_scatter(out, partial), async_op)
-
-    @staticmethod
-    def _then(first, finish, async_op: bool):
-        handle = _Then(first, finish)
-        if async_op:
-            return handle
-        handle.wait()
-        return _Done()
+        return self._issue(counted, _Then(first, lambda: rail.reduce_scatter(out, partial)), async_op)
 
     def barrier(self) -> None:
         """Not counted: used by benchmarks to align ranks, never by schedules."""

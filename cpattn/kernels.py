@@ -24,17 +24,37 @@ import math
 
 import torch
 
+from . import trace
 from .masks import BlockKind
 
 BACKENDS = ("auto", "aten", "math")
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+#: the one dtype table: name -> torch dtype of every supported q/k/v dtype (float64: CPU reference work)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+SUPPORTED_DTYPES = tuple(DTYPES.values())
 #: query rows per chunk on the math path: bounds the score matrix to chunk x s_kv per head
 MATH_CHUNK_ROWS = 512
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of partial outputs, lse and gradient accumulators for inputs of ``dtype``."""
+    """Dtype of partial outputs, lse and gradient accumulators for inputs of ``dtype`` (the one
+    accumulator rule: float64 for float64 inputs, float32 otherwise)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The :data:`DTYPES` name of a torch dtype (ValueError for an unsupported one)."""
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} is not supported; accepted: {', '.join(DTYPES)}")
+
+
+def element_bytes(name: str, accumulator: bool = False) -> int:
+    """Bytes per element of dtype ``name`` (a :data:`DTYPES` key), or of its accumulators."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is unknown; accepted: {', '.join(DTYPES)}")
+    dt = acc_dtype(DTYPES[name]) if accumulator else DTYPES[name]
+    return torch.empty((), dtype=dt).element_size()
 
 
 def check_backend(backend: str) -> None:
@@ -182,6 +202,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, 
     """Attention of one block. Returns ``out [b, s_q, h, d]`` and ``lse [b, h, s_q]`` in the
     accumulation dtype."""
     _check_block(q, k, kind, mask)
+    trace.compute("forward", kind.value, q.shape[1], k.shape[1])
     if _use_aten(q, kind, backend):
         out, lse = _aten_forward(q, k, v, kind == BlockKind.CAUSAL, scale)
         acc = acc_dtype(q.dtype)
@@ -195,6 +216,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """Gradients of one block given the row's final ``out`` (input dtype) and ``lse``.
     Returns ``dq [b, s_q, h, d]``, ``dk, dv [b, s_kv, h_kv, d]`` in the accumulation dtype."""
     _check_block(q, k, kind, mask)
+    trace.compute("backward", kind.value, q.shape[1], k.shape[1])
     if _use_aten(q, kind, backend):
         lse32 = lse.to(torch.float32) if q.dtype != torch.float64 else lse
         dq, dk, dv = _aten_backward(dout, q, k, v, out, lse32, kind == BlockKind.CAUSAL, scale)

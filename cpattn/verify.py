@@ -26,11 +26,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from . import kernels
+from . import kernels, trace
 from .masks import BlockKind
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = kernels.DTYPES
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 
 
@@ -51,6 +50,8 @@ class Case:
     topology: tuple[int, int] | None = None  # (nodes, devices_per_node) passed to ContextParallel
     mask_args: dict | None = None  # JSON-able arguments of the mask kind ``mask`` (cpattn.masks.from_spec)
     layout: str | None = None  # passed to ContextParallel (None: the schedule's own; "balanced")
+    #: options of the schedule object, JSON-able (``ultra``'s ``plan_options`` as a dict of PlanOptions fields)
+    options: dict | None = None
 
     @property
     def mask_spec(self) -> dict:
@@ -64,6 +65,8 @@ class Case:
         mask = self.mask if not self.mask_args else f"{self.mask}{json.dumps(self.mask_args, separators=(',', ':'))}"
         if self.layout is not None:
             where += f" layout={self.layout}"
+        if self.options:
+            where += f" options={json.dumps(self.options, separators=(',', ':'), sort_keys=True)}"
         return (f"{self.schedule} {where} {mask} {self.dtype} h={self.heads}:{self.kv_heads} "
                 f"S={self.seq} seed={self.seed}")
 
@@ -234,14 +237,23 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.detach().numpy()
 
 
+def schedule_of(case: Case):
+    """The schedule object a case runs: its name with its options."""
+    from . import planner, schedules
+
+    options = dict(case.options or {})
+    if isinstance(options.get("plan_options"), dict):
+        options["plan_options"] = planner.PlanOptions(**options["plan_options"])
+    return schedules.get(case.schedule, **options)
+
+
 def rank_case(**fields) -> dict:
     """Run one case on this rank; returns local results (numpy, float64) and communication counts."""
     import torch.distributed as dist
 
     from .api import ContextParallel
-    from .cost import Topology
     from .masks import from_spec
-    from .schedules.base import Shape
+    from .topology import Topology
 
     case = Case(**fields)
     group = None
@@ -251,7 +263,7 @@ def rank_case(**fields) -> dict:
             return {"member": False}
     x = make_inputs(case)
     topology = Topology(*case.topology) if case.topology is not None else None
-    cp = ContextParallel(case.seq, from_spec(case.mask_spec), case.schedule, group=group, backend=case.backend,
+    cp = ContextParallel(case.seq, from_spec(case.mask_spec), schedule_of(case), group=group, backend=case.backend,
                          topology=topology, layout=case.layout)
     pad = cp.positions() < 0
     noise = torch.Generator().manual_seed(10_000 + 100 * case.seed + cp.rank)
@@ -263,16 +275,151 @@ def rank_case(**fields) -> dict:
         return t
 
     q, k, v = (local(n).requires_grad_() for n in ("q", "k", "v"))
+    dout = local("dout")
     cp.reset_comm_stats()
-    out, lse = cp.attention(q, k, v, return_lse=True)
+    with trace.recording() as fwd_events:
+        out, lse = cp.attention(q, k, v, return_lse=True)
     fwd = cp.comm_stats()
     cp.reset_comm_stats()
-    out.backward(local("dout"))
+    with trace.recording() as bwd_events:
+        out.backward(dout)
     bwd = cp.comm_stats()
-    expected = cp.schedule.volume(Shape.of(q, k, cp.world_size, topology), cp.rank)
+    expected = cp.expected_volume(q, k)
+    # the run against the schedule's steps(): overlap and kernel counts only where the steps describe
+    # this run's blocks (the schedule's own layout, no padding)
+    own_blocks = case.layout is None and cp.padded_len == cp.seq_len
+    spec = spec_report(cp, q, k, {"forward": fwd_events, "backward": bwd_events}, own_blocks)
     return {"member": True, "rank": cp.rank, "positions": _np(cp.positions()), "out": _np(out),
             "lse": _np(lse), "dq": _np(q.grad), "dk": _np(k.grad), "dv": _np(v.grad),
-            "measured": {"forward": fwd, "backward": bwd}, "expected": expected}
+            "measured": {"forward": fwd, "backward": bwd}, "expected": expected, "spec": spec}
+
+
+# ---------------------------------------------------------------------------------- the run against steps()
+def _calls(events: list[dict]) -> tuple[list[dict], list[int]]:
+    """A recording (``cpattn.trace``) as its communicator calls in issue order (``ops``, the ``issue``
+    and ``wait`` positions) and the positions of its kernel calls."""
+    calls: dict[int, dict] = {}
+    order, computes = [], []
+    for pos, ev in enumerate(events):
+        if ev["ev"] == "issue":
+            call = calls.get(ev["call"])
+            if call is None:
+                call = calls[ev["call"]] = {"ops": [], "issue": pos, "wait": None}
+                order.append(call)
+            call["ops"].append((ev["op"], ev["sent"], ev["recv"]))
+        elif ev["ev"] == "wait":
+            calls[ev["call"]]["wait"] = pos
+        else:
+            computes.append(pos)
+    return order, computes
+
+
+def _call_key(ops: list[tuple[str, int, int]]) -> tuple:
+    """One call as a message key: a send and a receive batched together are one ``sendrecv``."""
+    if sorted(op for op, _, _ in ops) == ["recv", "send"]:
+        return ("sendrecv", sum(s for _, s, _ in ops), sum(r for _, _, r in ops))
+    return ops[0] if len(ops) == 1 else ("batch", *sorted(ops))
+
+
+def _step_key(op, rank: int, size: int) -> tuple:
+    acc = op.accounting(rank, size)
+    if op.op == "sendrecv":
+        return ("sendrecv", acc["send"][1], acc["recv"][2])
+    _, sent, recv = acc[op.op]
+    return (op.op, sent, recv)
+
+
+def check_steps(steps: list, events: list[dict], rank: int, world: int, topology=None) -> dict:
+    """Compare one rank's recording of one phase with the schedule's ``steps`` (pure).
+
+    - messages: every call matches one op of the steps (kind and bytes on this rank) and every op ran;
+    - order: calls are issued in step order (an op may be issued at the end of the step before the
+      one it is declared in flight in, never later than its step);
+    - overlap: ``overlapped`` counts the calls of steps with ``overlap`` that were in flight (issued
+      before, waited after) across a kernel call; a step's ops must be, on every rank that computes
+      in that step (summed over ranks by the caller, against :func:`expected_overlap`).
+
+    Returns ``{"problems": [...], "overlapped": n, "computes": kernel calls}``."""
+    from .steps import group_size
+
+    expected = [(k, _step_key(op, rank, group_size(op.group, world, topology)))
+                for k, st in enumerate(steps) for op in st.comm]
+    used = [False] * len(expected)
+    calls, computes = _calls(events)
+    problems: list[str] = []
+    latest, overlapped = 0, 0
+    for call in calls:
+        key = _call_key(call["ops"])
+        match = next((i for i, (_, e) in enumerate(expected) if not used[i] and e == key), None)
+        if match is None:
+            problems.append(f"rank {rank} issued {key}, which steps() does not declare")
+            continue
+        used[match] = True
+        k = expected[match][0]
+        if k < latest:
+            problems.append(f"rank {rank} issued {key} of step {k} after an op of step {latest}")
+        latest = max(latest, k)
+        if call["wait"] is None:
+            problems.append(f"rank {rank} never waited for {key}")
+        elif steps[k].overlap and any(call["issue"] < p < call["wait"] for p in computes):
+            overlapped += 1
+    missing = [e for (_, e), u in zip(expected, used) if not u]
+    if missing:
+        problems.append(f"rank {rank}: steps() declares {len(missing)} ops that never ran, e.g. {missing[0]}")
+    return {"problems": problems, "overlapped": overlapped, "computes": len(computes)}
+
+
+def expected_overlap(steps: list) -> tuple[int, int]:
+    """``(overlapped calls, kernel calls)`` summed over ranks that ``steps`` declare: every op of a step
+    with ``overlap`` is in flight across a kernel call on each rank that computes in the step."""
+    overlapped = sum(len(st.comm) * sum(n for w, n in st.work if w) for st in steps if st.overlap)
+    computes = sum(calls * n for st in steps for w, n in st.work for _, calls in w)
+    return overlapped, computes
+
+
+def check_plan(plan, phase: str, events: list[dict], rank: int, sizes) -> dict:
+    """A planned schedule's recording against its plan: this rank's sends and receives, one message
+    per transfer, in the plan's order with the plan's sizes (pure)."""
+    ph = plan.phase(phase)
+    want = [(op.kind, sizes.item_bytes(ph.transfers[op.id].item)) for op in ph.ops[rank] if op.kind in ("send", "recv")]
+    got = [(ev["op"], ev["sent"] or ev["recv"]) for ev in events if ev["ev"] == "issue"]
+    problems = [] if got == want else [f"rank {rank} {phase}: ran {got[:6]}..., the plan says {want[:6]}..."]
+    return {"problems": problems, "overlapped": 0, "computes": sum(ev["ev"] == "compute" for ev in events)}
+
+
+def spec_report(cp, q: torch.Tensor, k: torch.Tensor, events: dict[str, list[dict]], own_blocks: bool) -> dict:
+    """This rank's recordings of one call (per phase) against the schedule's description: its
+    ``steps()`` (:func:`check_steps`) or, for a planned schedule, its plan (:func:`check_plan`).
+    ``own_blocks``: the run used the blocks the steps assume (the schedule's own layout, no padding),
+    so the overlap and kernel counts are checked too (by :func:`check`, over all ranks)."""
+    out = {}
+    for phase, evs in events.items():
+        if cp.schedule.planned:
+            plan = cp.plan(q, k)
+            sizes = plan.sizes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
+                               torch.empty((), dtype=kernels.acc_dtype(q.dtype)).element_size())
+            out[phase] = {**check_plan(plan, phase, evs, cp.rank, sizes), "expected": None}
+            continue
+        steps = cp.schedule.steps(cp.problem(q, k), phase, cp.topology)
+        rep = check_steps(steps, evs, cp.rank, cp.world_size, cp.topology)
+        out[phase] = {**rep, "expected": expected_overlap(steps) if own_blocks else None}
+    return out
+
+
+def _compare_spec(members: list[dict]) -> list[str]:
+    bad = [p for r in members for ph in r["spec"].values() for p in ph["problems"]]
+    for phase in ("forward", "backward"):
+        expected = members[0]["spec"][phase]["expected"]
+        if expected is None:
+            continue
+        overlapped = sum(r["spec"][phase]["overlapped"] for r in members)
+        computes = sum(r["spec"][phase]["computes"] for r in members)
+        if overlapped != expected[0]:
+            bad.append(f"{phase}: {overlapped} transfers were in flight during a kernel call over all ranks; "
+                       f"steps() declares {expected[0]}")
+        if computes != expected[1]:
+            bad.append(f"{phase}: {computes} kernel calls over all ranks; steps() declares {expected[1]}")
+    return bad
 
 
 # ---------------------------------------------------------------------------------- parent side
@@ -282,12 +429,14 @@ class CaseResult:
     errors: dict[str, float] = field(default_factory=dict)
     tolerances: dict[str, float] = field(default_factory=dict)
     comm_mismatches: list[str] = field(default_factory=list)
+    spec_mismatches: list[str] = field(default_factory=list)  # the run against the schedule's steps()
     exact_violations: list[str] = field(default_factory=list)  # padding / empty rows not exactly 0, -inf
     failure: str | None = None  # an exception on a rank, a timeout
 
     @property
     def passed(self) -> bool:
-        return (self.failure is None and not self.comm_mismatches and not self.exact_violations
+        return (self.failure is None and not self.comm_mismatches and not self.spec_mismatches
+                and not self.exact_violations
                 and bool(self.errors) and all(self.errors[q] <= self.tolerances[q] for q in QUANTITIES))
 
     def describe(self) -> str:
@@ -299,12 +448,14 @@ class CaseResult:
                 flag = "" if self.errors[q] <= self.tolerances[q] else " (over)"
                 parts.append(f"{q} {self.errors[q]:.2e}/{self.tolerances[q]:.2e}{flag}")
         parts.extend(self.comm_mismatches)
+        parts.extend(self.spec_mismatches)
         parts.extend(self.exact_violations)
         return "; ".join(parts)
 
     def as_dict(self) -> dict:
         return {"case": asdict(self.case), "passed": self.passed, "errors": self.errors,
                 "tolerances": self.tolerances, "comm_mismatches": self.comm_mismatches,
+                "spec_mismatches": self.spec_mismatches,
                 "exact_violations": self.exact_violations, "failure": self.failure}
 
 
@@ -376,6 +527,7 @@ def check(case: Case, per_rank: list) -> CaseResult:
         res.errors[q] = rel_error(got[q], ref[q])
         res.tolerances[q] = 2 * e_local[q] + 1e-6
     res.comm_mismatches = _compare_comm(members)
+    res.spec_mismatches = _compare_spec(members)
     res.exact_violations = _exact_checks(members, got, allowed)
     return res
 

@@ -9,7 +9,7 @@ import pytest
 
 from cpattn.comm import POISON_ENV
 from cpattn.launcher import LocalWorld
-from cpattn.planner.plan import CACHE_ENV
+from cpattn.planner import CACHE_ENV
 
 # plans built by tests go to a throw-away cache, never the user's (workers inherit the environment)
 _CACHE = tempfile.mkdtemp(prefix="cpattn-test-plans-")

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpattn
-from cpattn import bench, cli, masks, schedules
+from cpattn import bench, calibrate, cli, masks, schedules
 from cpattn.api import _auto_schedule
 from cpattn.cost import (
     CommOp,
@@ -22,7 +22,6 @@ from cpattn.cost import (
     Problem,
     Task,
     Topology,
-    calibrate,
     check_supports,
     choose,
     declares_steps,
@@ -39,13 +38,13 @@ from cpattn.cost import (
     simulate,
     transfer,
 )
-from cpattn.cost.device import RatePoint
-from cpattn.cost.pairs import EnumeratedPairs, head_split
-from cpattn.cost.steps import COMM_OPS
 from cpattn.layout import Layout
+from cpattn.pairs import EnumeratedPairs, head_split
 from cpattn.planner import get_plan, request
-from cpattn.schedules.base import Schedule, Shape
+from cpattn.schedules.base import Schedule
 from cpattn.schedules.usp import USPSchedule
+from cpattn.steps import COMM_OPS
+from cpattn.topology import RatePoint
 
 BASELINES = ("ring", "zigzag_ring", "stripe_ring", "allgather")
 RINGX = ("ringx1", "ringx1o", "ringx2", "ringx2o", "ringx3", "ringx3b", "ringx4", "ringx4o")
@@ -169,14 +168,16 @@ def _accounting(steps, world: int, rank: int) -> dict:
 
 
 def _check_volume(sched: Schedule, problem: Problem) -> None:
-    """``sched``'s steps on ``problem``: every rank in each step, and ops summing to volume() on every rank."""
-    world, shape = problem.world, Shape.of_problem(problem)
+    """``sched``'s steps on ``problem`` cover every rank in each step, and its volume() on every rank
+    is their ops counted by the communicator's rule (the runtime is checked against the same steps by
+    the recording tests in test_spec.py)."""
+    world = problem.world
     for phase in ("forward", "backward"):
         steps = sched.steps(problem, phase)
         for step in steps:
             assert sum(n for _, n in step.work) in (0, world), (sched.name, phase)
         for rank in range(world):
-            expected = {op: v for op, v in sched.volume(shape, rank)[phase].items() if v["calls"]}
+            expected = {op: v for op, v in sched.volume(problem, rank)[phase].items() if v["calls"]}
             assert _accounting(steps, world, rank) == expected, (sched.name, phase, rank)
 
 
@@ -205,7 +206,7 @@ def test_usp_steps_match_its_volume_and_pairs_at_every_degree(mask, world, degre
     """USP of any Ulysses degree (point-to-point exchanges inside groups, ring across them), every kv
     head plan (one kv head per member, kv heads replicated, one per query head)."""
     problem = Problem(4 * world * 6, world, mask, heads=12, kv_heads=kv_heads, head_dim=8)
-    sched = USPSchedule(degree)
+    sched = USPSchedule(ulysses_degree=degree)
     _check_volume(sched, problem)
     _check_pairs(sched, problem)
 
@@ -315,7 +316,7 @@ def test_usp_takes_its_degree_from_the_topology():
     problem = Problem(16 * 1024, 16, "causal", heads=32, kv_heads=8)
     usp, topo = schedules.get("usp"), preset("dgx-h100", 16)  # 2 nodes of 8
     assert usp.degree(32, 16) == 16 and usp.degree(32, 16, topo) == 8
-    ops = [op for st_ in usp.steps_for(problem, "forward", topo) for op in st_.comm]
+    ops = [op for st_ in usp.steps(problem, "forward", topo) for op in st_.comm]
     assert {op.group for op in ops if op.peer < 8} == {"node"}  # the exchanges stay inside a node
     assert sum(op.peer == 8 for op in ops) == 1  # one ring step between the two groups
     # without a topology (or on one node) USP is Ulysses
@@ -326,12 +327,11 @@ def test_usp_takes_its_degree_from_the_topology():
 
 
 def test_ultra_is_estimated_from_its_plan():
-    t0 = time.perf_counter()
     mask = masks.sliding_window(64)
     problem = Problem(1024, 4, mask, heads=4, kv_heads=2, head_dim=16, dtype="float32")
     topo = presets.local(4)
     both, fwd = estimate("ultra", problem, topo), estimate("ultra", problem, topo, "forward")
-    plan = get_plan(request(mask, 1024, topo, 1, 4, 2, 16, "float32", schedules.get("ultra").options))
+    plan = get_plan(request(mask, 1024, topo, 1, 4, 2, 16, "float32", schedules.get("ultra").plan_options))
     assert fwd.total == plan.forward.predicted
     assert both.total == pytest.approx(plan.forward.predicted + plan.backward.predicted)
     sizes = plan.sizes(1, 4, 2, 16, 4, 4)
@@ -342,7 +342,6 @@ def test_ultra_is_estimated_from_its_plan():
     # "auto" plans ultra only for masks other than causal and full
     assert "ultra" in default_candidates(mask) and "ultra" not in default_candidates(masks.causal())
     assert "ultra" in dict(rank_schedules(problem, topo))
-    assert time.perf_counter() - t0 < 5.0
 
 
 @pytest.mark.parametrize("name", RINGX)

@@ -51,7 +51,9 @@ def test_checker_catches_a_wrong_answer():
     loc = verify.local_kernel(x["q"], x["k"], x["v"], x["dout"], "causal", scale)
     row = {"member": True, "rank": 0, "positions": np.arange(case.seq),
            **{q: loc[q].double().numpy().copy() for q in verify.QUANTITIES},
-           "measured": {"forward": {}, "backward": {}}, "expected": {"forward": {}, "backward": {}}}
+           "measured": {"forward": {}, "backward": {}}, "expected": {"forward": {}, "backward": {}},
+           "spec": {ph: {"problems": [], "overlapped": 0, "computes": 0, "expected": None}
+                    for ph in ("forward", "backward")}}
     assert verify.check(case, [row]).passed
     row["out"][0, 5] += 1e-2
     bad = verify.check(case, [row])

@@ -16,8 +16,9 @@ from cpattn import cli, masks
 from cpattn.cost import Problem, Topology, simulate
 from cpattn.planner import PlanOptions, build_plan, get_plan, load_plan, request, save_plan, validate
 from cpattn.planner import block_table as bt
-from cpattn.planner.kernel_graph import Sizes, route
 from cpattn.planner.kernel_graph import build as build_graph
+from cpattn.planner.kernel_graph import route
+from cpattn.planner.model import SCHEMA_VERSION, Plan
 from cpattn.planner.partition_ilp import (
     MessageUnits,
     PartitionProblem,
@@ -28,9 +29,9 @@ from cpattn.planner.partition_ilp import (
     solve,
     traffic,
 )
-from cpattn.planner.plan import SCHEMA_VERSION, Plan
 from cpattn.planner.schedule_ilp import schedule
 from cpattn.planner.tiling import allocate, fuse, fuse_all, owners
+from cpattn.schedules.ultra import Sizes
 
 FAST = PlanOptions(time_budget=1.0, partition_time_limit=0.5, schedule_time_limit=0.5)
 
@@ -279,13 +280,13 @@ def test_cache_rebuilds_corrupt_and_stale_files(tmp_path, caplog):
     assert path.exists() and load_plan(path) == first
     assert get_plan(req, directory=tmp_path) == first  # from the cache
     path.write_text(path.read_text()[:-20])  # truncated
-    with caplog.at_level(logging.WARNING, logger="cpattn.planner.plan"):
+    with caplog.at_level(logging.WARNING, logger="cpattn.planner.cache"):
         rebuilt = get_plan(req, directory=tmp_path)
     assert "rebuilding" in caplog.text and load_plan(path) == rebuilt
     other = request("full", 64, Topology(1, 2), 1, 4, 4, 8, "float32", FAST)
     save_plan(get_plan(other, cache=False), path)  # a valid plan, but for another problem
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="cpattn.planner.plan"):
+    with caplog.at_level(logging.WARNING, logger="cpattn.planner.cache"):
         assert get_plan(req, directory=tmp_path).key == req.key()
     assert "stale" in caplog.text
 

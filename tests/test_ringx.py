@@ -13,7 +13,7 @@ from cpattn import verify
 from cpattn.comm import Communicator
 from cpattn.cost import Topology
 from cpattn.launcher import RankError
-from cpattn.schedules.base import Shape
+from cpattn.steps import Problem
 
 VARIANTS = ["ringx1", "ringx1o", "ringx2", "ringx2o", "ringx3", "ringx3b", "ringx4", "ringx4o"]
 BIDIRECTIONAL_ONLY = ["ringx1", "ringx1o", "ringx3b"]
@@ -259,12 +259,14 @@ def test_volumes_are_not_vacuous():
     """At P > 1 every variant declares traffic in both phases, and at P = 1 none but X3's empty gathers."""
     for name in VARIANTS:
         sched = cpattn.schedules.get(name)
-        shape = Shape(batch=2, local_len=8, heads=4, kv_heads=2, head_dim=16, elem=2, acc_elem=4, world=4)
+        shape = Problem(32, 4, "causal" if sched.causal else "full", batch=2, heads=4, kv_heads=2, head_dim=16,
+                        dtype="bfloat16")
         for rank in range(4):
             vol = sched.volume(shape, rank)
             for phase in ("forward", "backward"):
                 assert sum(v["bytes_sent"] + v["bytes_recv"] for v in vol[phase].values()) > 0, (name, phase)
-        single = sched.volume(Shape(2, 32, 4, 2, 16, 2, 4, world=1), 0)
+        one = Problem(32, 1, shape.mask, batch=2, heads=4, kv_heads=2, head_dim=16, dtype="bfloat16")
+        single = sched.volume(one, 0)
         assert all(v["bytes_sent"] == v["bytes_recv"] == 0 for ph in single.values() for v in ph.values())
 
 

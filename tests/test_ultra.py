@@ -22,40 +22,31 @@ PLACES = ((2, None), (4, (2, 2)), (8, (2, 4)))  # (world, (nodes, devices per no
 
 
 # ---------------------------------------------------------------------------------- worker side
-def configure_ultra(cache_dir: str) -> None:
-    """On every rank: plans go to ``cache_dir``, solved with :data:`TEST_OPTIONS`."""
-    import os
-
-    from cpattn import schedules
+def _ultra():
+    """The schedule object the tests run: ``ultra`` with :data:`TEST_OPTIONS`."""
     from cpattn.planner import PlanOptions
+    from cpattn.schedules import Ultra
 
-    os.environ["CPATTN_CACHE_DIR"] = cache_dir
-    schedules.get("ultra").options = PlanOptions(**TEST_OPTIONS)
+    return Ultra(plan_options=PlanOptions(**TEST_OPTIONS))
 
 
 def plan_fingerprint(seq: int, mask: dict, topology: tuple[int, int]) -> str:
     """This rank's plan for the problem, hashed."""
-    from cpattn.comm import Communicator
-    from cpattn.cost import Topology
-    from cpattn.layout import Layout
-    from cpattn.masks import resolve
-    from cpattn.schedules import get
-    from cpattn.schedules.base import Runtime
+    import cpattn
+    from cpattn.topology import Topology
 
-    comm = Communicator()
-    rt = Runtime(comm, resolve(mask), Layout("contiguous"), seq, topology=Topology(*topology))
-    q = torch.zeros(1, seq // comm.world_size, 4, 8)
-    plan = get("ultra").plan(rt, q, q[:, :, :2])
-    return hashlib.sha256(plan.to_json().encode()).hexdigest()
+    cp = cpattn.ContextParallel(seq, mask, _ultra(), topology=Topology(*topology), layout="contiguous")
+    q = torch.zeros(1, cp.local_len, 4, 8)
+    return hashlib.sha256(cp.plan(q, q[:, :, :2]).to_json().encode()).hexdigest()
 
 
 def fitted_layout_run(seq: int, mask: dict, topology: tuple[int, int] | None) -> dict:
     """This rank's layout name and bytes sent in one forward + backward of ``ultra`` with the layout it
     picks itself."""
     import cpattn
-    from cpattn.cost import Topology
+    from cpattn.topology import Topology
 
-    cp = cpattn.ContextParallel(seq, mask, "ultra", topology=None if topology is None else Topology(*topology))
+    cp = cpattn.ContextParallel(seq, mask, _ultra(), topology=None if topology is None else Topology(*topology))
     q, k, v = (torch.randn(1, cp.local_len, h, 8, requires_grad=True) for h in (4, 2, 2))
     cp.attention(q, k, v).sum().backward()
     return {"layout": cp.layout.name, "sent": cp.comm_stats()["total"]["bytes_sent"]}
@@ -63,12 +54,13 @@ def fitted_layout_run(seq: int, mask: dict, topology: tuple[int, int] | None) ->
 
 # ---------------------------------------------------------------------------------- parent side
 @pytest.fixture(scope="module")
-def ultra_worlds(worlds, tmp_path_factory):
-    """The session's worlds of 2, 4 and 8 ranks, with every rank's planner configured for tests."""
-    cache = str(tmp_path_factory.mktemp("plans"))
-    for world, _ in PLACES:
-        worlds.get(world).run(configure_ultra, cache_dir=cache)
+def ultra_worlds(worlds):
+    """The session's worlds (plans go to the session's throw-away cache, see conftest)."""
     return worlds
+
+
+def _case(*args, **kwargs) -> verify.Case:
+    return verify.Case("ultra", *args, options={"plan_options": TEST_OPTIONS}, **kwargs)
 
 
 def _random_table(seed: int, n: int) -> list[list[int]]:
@@ -83,10 +75,10 @@ def _cases() -> list[verify.Case]:
     for n, (world, topo) in enumerate(PLACES):
         for m, mask in enumerate(MASKS):
             h, hkv = heads[(n + m) % 2]
-            cases.append(verify.Case("ultra", world, mask, "float32", heads=h, kv_heads=hkv, head_dim=8, seq=64,
+            cases.append(_case(world, mask, "float32", heads=h, kv_heads=hkv, head_dim=8, seq=64,
                                      topology=topo, mask_args=verify.example_mask_args(mask, 64), seed=n * 10 + m))
         table = _random_table(world, 16)
-        cases.append(verify.Case("ultra", world, "block_table", "float32", heads=8, kv_heads=2, head_dim=8, seq=128,
+        cases.append(_case(world, "block_table", "float32", heads=8, kv_heads=2, head_dim=8, seq=128,
                                  topology=topo, mask_args={"table": table, "block_size": 8}, seed=100 + world))
     return cases
 
@@ -101,10 +93,10 @@ def test_ultra_is_exact(ultra_worlds, case):
 
 
 @pytest.mark.parametrize("case", [
-    verify.Case("ultra", 4, "causal", "bfloat16", heads=8, kv_heads=2, seq=64, topology=(2, 2), seed=201),
-    verify.Case("ultra", 4, "streaming", "float32", heads=4, kv_heads=4, seq=62, topology=(2, 2), seed=202,
+    _case(4, "causal", "bfloat16", heads=8, kv_heads=2, seq=64, topology=(2, 2), seed=201),
+    _case(4, "streaming", "float32", heads=4, kv_heads=4, seq=62, topology=(2, 2), seed=202,
                 mask_args={"sink": 3, "window": 10}),  # 62 tokens: padded to 64 inside ContextParallel
-    verify.Case("ultra", 2, "causal", "float32", seq=64, backend="math", seed=203),
+    _case(2, "causal", "float32", seq=64, backend="math", seed=203),
 ], ids=lambda c: c.label[:90])
 def test_ultra_dtypes_padding_and_backends(ultra_worlds, case):
     result = verify.run(ultra_worlds.get(case.world), case)
@@ -132,22 +124,22 @@ def test_strided_by_the_world_size_runs_locally_and_exactly(ultra_worlds, world,
     seq, mask = _strided_for(world)
     runs = ultra_worlds.get(world).run(fitted_layout_run, seq=seq, mask=mask, topology=topology)
     assert {r["layout"] for r in runs} == {"ultra-round-robin-4"} and all(r["sent"] == 0 for r in runs), runs
-    case = verify.Case("ultra", world, "strided", "float32", heads=4, kv_heads=2, head_dim=8, seq=seq,
+    case = _case(world, "strided", "float32", heads=4, kv_heads=2, head_dim=8, seq=seq,
                        topology=topology, mask_args={k: v for k, v in mask.items() if k != "kind"}, seed=300 + world)
     result = verify.run(ultra_worlds.get(world), case)
     assert result.passed, result.describe()
 
 
 @pytest.mark.parametrize("case", [
-    verify.Case("ultra", 4, "causal", "float32", heads=4, kv_heads=2, head_dim=8, seq=64, topology=(2, 2),
+    _case(4, "causal", "float32", heads=4, kv_heads=2, head_dim=8, seq=64, topology=(2, 2),
                 layout="zigzag", seed=310),
-    verify.Case("ultra", 4, "document", "float32", heads=8, kv_heads=2, head_dim=8, seq=128, topology=(2, 2),
+    _case(4, "document", "float32", heads=8, kv_heads=2, head_dim=8, seq=128, topology=(2, 2),
                 layout="balanced", mask_args=verify.example_mask_args("document", 128), seed=311),
-    verify.Case("ultra", 2, "sliding_window", "float32", heads=4, kv_heads=4, head_dim=8, seq=96,
+    _case(2, "sliding_window", "float32", heads=4, kv_heads=4, head_dim=8, seq=96,
                 layout="balanced", mask_args={"window": 11}, seed=312),
-    verify.Case("ultra", 2, "strided", "bfloat16", heads=4, kv_heads=2, head_dim=8, seq=250,
+    _case(2, "strided", "bfloat16", heads=4, kv_heads=2, head_dim=8, seq=250,
                 mask_args={"block_size": 16, "stride": 2}, seed=313),  # padded to 256, then round-robin
-    verify.Case("ultra", 8, "global_local", "float32", heads=4, kv_heads=4, head_dim=8, seq=128, topology=(2, 4),
+    _case(8, "global_local", "float32", heads=4, kv_heads=4, head_dim=8, seq=128, topology=(2, 4),
                 layout="zigzag", mask_args=verify.example_mask_args("global_local", 128), seed=314),
 ], ids=lambda c: c.label[:90])
 def test_ultra_runs_on_other_owner_maps(ultra_worlds, case):

@@ -13,9 +13,9 @@ import cpattn
 from cpattn import verify
 from cpattn.cost import Topology
 from cpattn.launcher import RankError
-from cpattn.schedules.base import Shape
-from cpattn.schedules.ulysses import UlyssesSchedule, kv_plan, ulysses_volume
+from cpattn.schedules.ulysses import UlyssesSchedule, kv_plan
 from cpattn.schedules.usp import USPSchedule
+from cpattn.steps import Problem
 
 KINDS = ["causal", "full", "sliding_window", "document", "strided", "global_local", "star", "streaming",
          "block_table", ("and", {"masks": [{"kind": "document", "lengths": [13, 1, 20, 14]},
@@ -82,7 +82,7 @@ def test_usp_degree_choice():
     assert usp.degree(8, 8) == 8 and usp.degree(6, 4) == 2 and usp.degree(5, 4) == 1 and usp.degree(12, 6) == 6
     assert usp.degree(8, 8, Topology(2, 4)) == 4  # Ulysses inside a node
     assert usp.degree(6, 8, Topology(2, 4)) == 2
-    assert USPSchedule(ulysses_degree=2, name="usp2").degree(8, 8) == 2
+    assert USPSchedule(ulysses_degree=2).degree(8, 8) == 2
 
 
 def test_head_errors_name_the_valid_degrees():
@@ -96,7 +96,7 @@ def test_head_errors_name_the_valid_degrees():
 
 
 def test_volume_formulas():
-    shape = Shape(batch=2, local_len=16, heads=8, kv_heads=2, head_dim=4, elem=2, acc_elem=4, world=4)
+    shape = Problem(64, 4, "causal", batch=2, heads=8, kv_heads=2, head_dim=4, dtype="bfloat16")
     vol = UlyssesSchedule().volume(shape, 0)
     seq = 2 * 16 * 8 * 4 * 2
     assert vol["forward"]["all_to_all"]["calls"] == 4 and vol["backward"]["all_to_all"]["calls"] == 3
@@ -104,8 +104,9 @@ def test_volume_formulas():
     lse = 2 * 8 * 16 * 4
     assert vol["forward"]["all_to_all"]["bytes_sent"] == 3 * (2 * seq + kv + lse) // 4
     assert vol["backward"]["all_to_all"]["bytes_recv"] == 3 * (2 * seq + 2 * kv) // 4  # dk/dv summed: float32
-    assert ulysses_volume(shape, 1, True) == {"forward": {}, "backward": {}}
-    two_d = USPSchedule().volume(Shape(2, 16, 8, 2, 4, 2, 4, 4, Topology(2, 2)), 0)
+    one = Problem(16, 1, "causal", batch=2, heads=8, kv_heads=2, head_dim=4, dtype="bfloat16")
+    assert UlyssesSchedule().volume(one, 0) == {"forward": {}, "backward": {}}
+    two_d = USPSchedule().volume(shape, 0, Topology(2, 2))
     assert set(two_d["forward"]) == {"send", "recv"}  # group exchanges and the ring are point-to-point
 
 

@@ -4,12 +4,16 @@ Everything here is pure data in, data out (no process group): ``estimate(schedul
 topology)`` predicts one schedule from its own ``steps`` declaration (``ultra``: from its plan);
 ``rank_schedules`` / ``choose`` power ``schedule="auto"``; ``simulate`` runs UltraAttn-style task
 graphs on per-device lanes; ``presets.preset(name, world)`` builds Frontier, DGX H100, DGX A100 or
-the calibrated ``local`` machine. Calibration (``cpattn.cost.calibrate``) is the only part that runs processes.
+the calibrated ``local`` machine. Problems, steps, topologies and devices are core data
+(``cpattn.steps``, ``cpattn.topology``), re-exported here; calibration, which runs processes, is a tool
+(``cpattn.calibrate``).
 """
 
+from ..pairs import PairWork, pair_work
+from ..steps import CommOp, Kernel, Problem, Step, Work, distribution, work
+from ..topology import Device, Link, RatePoint, Topology
 from . import presets
 from .collectives import op_time
-from .device import Device, RatePoint
 from .estimate import (
     Estimate,
     check_supports,
@@ -20,12 +24,9 @@ from .estimate import (
     estimate,
     rank_schedules,
 )
-from .pairs import PairWork, pair_work
 from .presets import preset
 from .profile import Profile, ProfileError
 from .simulator import Task, Timeline, lane, simulate, transfer
-from .steps import CommOp, Kernel, Problem, Step, Work, distribution, work
-from .topology import Link, Topology
 
 __all__ = ["CommOp", "Device", "Estimate", "Kernel", "Link", "PairWork", "Problem", "Profile", "ProfileError",
            "RatePoint", "Step", "Task", "Timeline", "Topology", "Work", "check_supports", "choose", "declares_steps",

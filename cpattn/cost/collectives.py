@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import math
 
-from .steps import CommOp
-from .topology import Link, Topology
+from .. import steps
+from ..steps import CommOp
+from ..topology import Link, Topology
 
 
 def group_size(op: CommOp, topo: Topology) -> int:
     """Ranks in ``op``'s group on ``topo``."""
-    return {"world": topo.world, "node": topo.devices_per_node, "rail": topo.nodes}[op.group]
+    return steps.group_size(op.group, topo.world, topo)
 
 
 def _link(op: CommOp, topo: Topology) -> Link:

@@ -14,8 +14,8 @@ durations (steps are separated by waits, so the slowest rank sets the pace of ea
 busiest rank's payload (``cpattn.comm`` units) from the steps' ops; memory is the resident inputs
 and outputs plus the largest ``live_bytes`` of any step.
 
-A schedule with its own model answers instead through ``Schedule.estimate_override`` (``ultra``: the
-simulated makespan of its plan).
+A planned schedule (``ultra``) is estimated from its plan instead (:func:`plan_estimate`: the
+simulated makespan), built with ``cpattn.planner`` or read from the plan cache.
 """
 
 from __future__ import annotations
@@ -23,22 +23,20 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import lru_cache
 
 import torch
 
+from .. import planner, schedules
+from ..kernels import DTYPES
 from ..layout import Layout
 from ..masks import CausalMask, FullMask, Mask
+from ..schedules.base import Schedule
+from ..steps import Problem, Step, split_phase
+from ..topology import Topology
 from .collectives import group_size, op_times
-from .steps import Problem, Step, split_phase
-from .topology import Topology
-
-if TYPE_CHECKING:
-    from ..schedules.base import Schedule
 
 log = logging.getLogger(__name__)
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                 "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -64,27 +62,18 @@ class Estimate:
 
 
 def _schedule(schedule: Schedule | str) -> Schedule:
-    if isinstance(schedule, str):
-        from .. import schedules
-
-        return schedules.get(schedule)
-    return schedule
+    return schedules.resolve(schedule)
 
 
 def declares_steps(schedule: Schedule | str) -> bool:
     """Whether ``schedule`` implements ``steps``."""
-    from ..schedules.base import Schedule
-
     return type(_schedule(schedule)).steps is not Schedule.steps
 
 
 def estimable(schedule: Schedule | str) -> bool:
-    """Whether :func:`estimate` can predict ``schedule``: it declares ``steps`` or overrides
-    ``estimate_override`` (``ultra``, from its plan)."""
-    from ..schedules.base import Schedule
-
+    """Whether :func:`estimate` can predict ``schedule``: it declares ``steps`` or runs a plan."""
     sched = _schedule(schedule)
-    return declares_steps(sched) or type(sched).estimate_override is not Schedule.estimate_override
+    return declares_steps(sched) or sched.planned
 
 
 def default_candidates(mask: Mask) -> list[str]:
@@ -92,10 +81,59 @@ def default_candidates(mask: Mask) -> list[str]:
     the ``planned`` ones (``ultra``) for the causal and full masks, where building a plan would add
     seconds to every new problem size (tens of seconds at 64 ranks and 512K tokens) and the balanced
     rings already spread the work evenly."""
-    from .. import schedules
-
     dense = isinstance(mask, (CausalMask, FullMask))
     return [n for n in schedules.names() if not (dense and schedules.get(n).planned)]
+
+
+def plan_estimate(plan, problem: Problem, phase: str, name: str = "ultra") -> Estimate:
+    """The prediction of a ``cpattn.planner.Plan`` for ``problem``. Per phase: ``total``, the plan's
+    simulated makespan (seconds); ``compute``, the busiest rank's compute lane (kernels and merges);
+    ``comm``, the busiest rank's transfers (the busier of its send and receive lanes; a plan may also
+    wait on dependencies, so total can exceed compute + comm); ``bytes_per_rank``, the busiest
+    sender's bytes (as ``Plan.volume`` counts them); ``peak_memory``, the resident tensors plus
+    everything a rank receives and sends in the phase (its buffers live to the end of the phase)."""
+    sizes = plan.sizes(problem.batch, problem.heads, problem.kv_heads, problem.head_dim, problem.elem,
+                       problem.acc_elem)
+    total = compute = comm = 0.0
+    sent = peak = 0
+    for ph in split_phase(phase):
+        pp = plan.phase(ph)
+        total += pp.predicted
+        compute += max(_busy(ops, ("compute", "merge")) for ops in pp.ops)
+        comm += max(max(_busy(ops, ("send",)), _busy(ops, ("recv",))) for ops in pp.ops)
+        out, into = [0] * problem.world, [0] * problem.world
+        for t in pp.transfers:
+            out[t.src] += sizes.item_bytes(t.item)
+            into[t.dst] += sizes.item_bytes(t.item)
+        sent += max(out)
+        peak = max(peak, resident_bytes(problem, ph) + max(a + b for a, b in zip(out, into)))
+    return Estimate(total, compute, comm, total - compute, sent, peak, name, phase, problem.flops(phase))
+
+
+def _busy(ops, kinds: tuple[str, ...]) -> float:
+    """Seconds a rank's operations of ``kinds`` take in its plan (they share one lane, so they add)."""
+    return sum(op.end - op.start for op in ops if op.kind in kinds)
+
+
+def _planned(sched: Schedule, problem: Problem, topology: Topology, phase: str) -> Estimate:
+    """A planned schedule's estimate: its plan for ``problem`` on ``topology`` with its options, on the
+    owner map it would choose (planned, or read from the plan cache; the planner is deterministic)."""
+    try:
+        return _planned_cached(sched, problem, topology, phase)
+    except TypeError:  # an unhashable mask
+        return _planned_uncached(sched, problem, topology, phase)
+
+
+def _planned_uncached(sched: Schedule, problem: Problem, topology: Topology, phase: str) -> Estimate:
+    options = sched.plan_options
+    order = planner.choose_order(problem.mask, problem.seq_len, problem.world, options=options)
+    req = planner.request(problem.mask, problem.seq_len, topology, problem.batch, problem.heads, problem.kv_heads,
+                          problem.head_dim, problem.dtype, options, None, order)
+    return plan_estimate(planner.get_plan(req), problem, phase, sched.name)
+
+
+_planned_cached = lru_cache(maxsize=64)(_planned_uncached)
+
 
 
 def resident_bytes(problem: Problem, phase: str) -> int:
@@ -127,30 +165,28 @@ def busiest_bytes_sent(steps: list[Step], topology: Topology) -> int:
 def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
              phase: str = "forward+backward") -> Estimate:
     """Predict ``schedule`` (a name or a Schedule) on ``problem`` over ``topology`` for ``phase``
-    ("forward", "backward" or "forward+backward"). The schedule's ``estimate_override`` answers when it
-    has one (``ultra``: its plan, built or read from the plan cache); otherwise its steps on
-    ``topology`` are timed. Raises NotImplementedError when the schedule has neither, ValueError when it
-    cannot run the problem."""
+    ("forward", "backward" or "forward+backward"): its steps on ``topology``, timed; a planned schedule
+    (``ultra``) from its plan (:func:`plan_estimate`). Raises NotImplementedError when the schedule has
+    neither, ValueError when it cannot run the problem."""
     sched = _schedule(schedule)
     if not estimable(sched):
         raise NotImplementedError(
-            f"schedule {sched.name!r} does not implement steps(problem, phase), so the cost model cannot "
-            "estimate it; see cpattn.cost.steps for what a schedule must declare")
+            f"schedule {sched.name!r} does not implement steps(problem, phase, topology), so the cost model cannot "
+            "estimate it; see cpattn.steps for what a schedule must declare")
     if topology.world != problem.world:
         raise ValueError(f"topology has {topology.world} ranks ({topology.nodes} x {topology.devices_per_node}) "
                          f"but the problem has world={problem.world}")
     sched.check_mask(problem.mask)
     Layout(sched.layout_for(problem.mask)).check(problem.seq_len, problem.world)
     split_phase(phase)
-    override = sched.estimate_override(problem, topology, phase)
-    if override is not None:
-        return override
+    if sched.planned:
+        return _planned(sched, problem, topology, phase)
     device = topology.device
     times: dict = {}
     total = compute = comm = 0.0
     sent, peak = 0, 0
     for ph in split_phase(phase):
-        steps = sched.steps_for(problem, ph, topology)
+        steps = sched.steps(problem, ph, topology)
         for st in steps:
             c = 0.0
             for w, _ranks in st.work:
@@ -181,13 +217,13 @@ def check_supports(schedule: Schedule | str, problem: Problem) -> None:
     sched = _schedule(schedule)
     sched.check_mask(problem.mask)
     Layout(sched.layout_for(problem.mask)).check(problem.seq_len, problem.world)
-    dtype = _TORCH_DTYPES[problem.dtype]
+    dtype = DTYPES[problem.dtype]
     b, s, d = problem.batch, problem.local_len, problem.head_dim
     q = torch.empty((b, s, problem.heads, d), dtype=dtype, device="meta")
     k = torch.empty((b, s, problem.kv_heads, d), dtype=dtype, device="meta")
     sched.check_shape(q, k, problem.world)
     if not estimable(sched):
-        raise NotImplementedError(f"schedule {sched.name!r} does not implement steps(problem, phase)")
+        raise NotImplementedError(f"schedule {sched.name!r} does not implement steps(problem, phase, topology)")
 
 
 def rank_schedules(problem: Problem, topology: Topology, names: list[str] | None = None,
@@ -244,4 +280,4 @@ def choose(problem: Problem, topology: Topology, names: list[str] | None = None,
 
 
 __all__ = ["Estimate", "busiest_bytes_sent", "check_supports", "choose", "declares_steps", "default_candidates",
-           "estimable", "estimate", "rank_schedules", "resident_bytes"]
+           "estimable", "estimate", "plan_estimate", "rank_schedules", "resident_bytes"]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .device import Device
+from ..topology import Device
 
 
 def merge_time(device: Device, nbytes: int) -> float:

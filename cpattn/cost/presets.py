@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import os
 
-from .device import Device
+from ..topology import Device, Link, Topology
 from .profile import Profile, load_default
-from .topology import Link, Topology
 
 # --- Frontier (OLCF): 4 AMD MI250X per node = 8 GCDs; 4 HPE Slingshot-11 NICs, one per MI250X.
 # Sources: OLCF Frontier User Guide, "System Overview" / "Node Types" (docs.olcf.ornl.gov/systems/

@@ -16,9 +16,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .device import KINDS, RatePoint
-from .steps import COMM_OPS, PHASES
-from .topology import Link
+from ..steps import COMM_OPS, PHASES
+from ..topology import KINDS, Link, RatePoint
 
 SCHEMA = "cpattn-profile"
 VERSION = 1

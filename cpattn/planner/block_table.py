@@ -1,5 +1,5 @@
-"""The block table of a mask: the global (Q x KV) matrix cut into ``n x n`` equal chunks (ultraattn.md,
-"Pattern").
+"""The block table of a mask: the global (Q x KV) matrix cut into ``n x n`` equal chunks
+(docs/ultraattn.md, "Ownership").
 
 Cell ``(i, j)`` is query chunk i against key chunk j, each ``chunk`` tokens. Its kind is EMPTY, FULL,
 CAUSAL (local row a attends local columns <= a: the diagonal of a causal mask, or a custom table's

@@ -1,17 +1,10 @@
-"""The kernel graph of one phase (ultraattn.md, "Kernel graph and schedule"): compute kernels,
+"""The kernel graph of one phase (docs/ultraattn.md, "Routing" and "Schedule"): compute kernels,
 transfers of chunks between devices, merges of partial results, and the dependencies between them,
 as :class:`cpattn.cost.simulator.Task` so the cost model times and simulates it.
 
-Items that travel (one message each, ``chunk`` tokens of one chunk):
-
-| phase | item | what | dtype |
-|---|---|---|---|
-| forward | ``q`` | query rows | input |
-| forward, backward | ``kv`` | keys and values, packed | input |
-| forward | ``o`` | partial output and its lse | accumulation |
-| backward | ``qb`` | lse, then q, dout and the final out | accumulation, then input |
-| backward | ``dq`` | partial dq | accumulation |
-| backward | ``dkv`` | partial dk and dv, packed | accumulation |
+Items that travel (one message each, ``chunk`` tokens of one chunk) and their sizes are the
+executor's table, :data:`cpattn.schedules.ultra.ITEMS`: q, kv (packed), o (partial output and lse),
+qb (lse, q, dout and the final out), dq and dkv (partial gradients).
 
 Routing. A device that computes a cell of row i needs row i's input item; one that produced a partial
 output of chunk i must return it to i's owner. Inside a node items go directly. Across nodes they are
@@ -32,17 +25,25 @@ from dataclasses import dataclass, replace
 
 from ..cost.plan_costs import merge_time
 from ..cost.simulator import Task, compute, transfer
-from ..cost.steps import Kernel as CostKernel
-from ..cost.steps import Problem
-from ..cost.topology import Topology
+from ..schedules.ultra import ITEMS, Sizes
+from ..steps import Kernel as CostKernel
+from ..steps import Problem
+from ..topology import Topology
 from .block_table import BlockTable
 from .tiling import Kernel
 
-#: per phase, the input items (and whether they follow a kernel's rows or its columns)
-INPUTS = {"forward": (("q", "rows"), ("kv", "cols")), "backward": (("qb", "rows"), ("kv", "cols"))}
+PHASES = ("forward", "backward")
+
+
+def _items(role: str) -> dict[str, tuple[tuple[str, str], ...]]:
+    return {ph: tuple((n, it.follows) for n, it in ITEMS.items() if ph in it.phases and it.role == role)
+            for ph in PHASES}
+
+
+#: per phase, the input items (and whether they follow a kernel's rows or its columns): the executor's table
+INPUTS = _items("input")
 #: per phase, the partial outputs a kernel produces (and whether per row or per column chunk)
-OUTPUTS = {"forward": (("o", "rows"),), "backward": (("dq", "rows"), ("dkv", "cols"))}
-PHASES = tuple(INPUTS)
+OUTPUTS = _items("partial")
 
 
 @dataclass(frozen=True)
@@ -53,32 +54,6 @@ class Transfer:
     dst: int
     item: str
     chunk: int
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """What an item's size depends on: ``batch``, ``chunk`` tokens, ``heads``, ``kv_heads``,
-    ``head_dim``; ``elem`` / ``acc_elem`` bytes per element of the inputs / the accumulators."""
-
-    batch: int
-    chunk: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    elem: int
-    acc_elem: int
-
-    def item_bytes(self, item: str) -> int:
-        """Bytes of one message of ``item`` (see the module table)."""
-        rows = self.batch * self.chunk * self.heads
-        kv = 2 * self.batch * self.chunk * self.kv_heads * self.head_dim
-        sizes = {"q": rows * self.head_dim * self.elem, "kv": kv * self.elem,
-                 "o": rows * (self.head_dim + 1) * self.acc_elem,
-                 "qb": rows * (3 * self.head_dim * self.elem + self.acc_elem),
-                 "dq": rows * self.head_dim * self.acc_elem, "dkv": kv * self.acc_elem}
-        if item not in sizes:
-            raise ValueError(f"item {item!r} is unknown; accepted: {', '.join(sizes)}")
-        return sizes[item]
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The partition ILP of one tiling level (ultraattn.md, "Partition ILP"), its greedy fallback, and the
-traffic model both are judged by.
+"""The partition ILP of one tiling level (docs/ultraattn.md, "Partition ILP"), its greedy fallback,
+and the traffic model both are judged by.
 
 A level places cells on ``devices`` units (the nodes of the cluster, or the devices of one node).
 Each row (query chunk) and column (key/value chunk) has a *home*: the unit that holds it. Placing cell
@@ -48,7 +48,8 @@ class MessageUnits:
 
     @staticmethod
     def for_phase(phase: str, heads: int, kv_heads: int) -> MessageUnits:
-        """ultraattn.md's units for ``phase`` ("forward" or "backward"), KV terms times h_kv / h."""
+        """The message units of ``phase`` ("forward" or "backward"; docs/ultraattn.md, "Partition ILP"),
+        KV terms times h_kv / h."""
         q, kv = heads, 2 * kv_heads
         if phase == "forward":  # in = A + C + 2B, out = A + C + 2D
             return MessageUnits(q, kv, q, 0, q, 0, q, kv)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .kernel_graph import PHASES
-from .plan import Plan
+from .model import Plan
 
 _OP_COLORS = {"compute": "tab:blue", "merge": "tab:purple", "send": "tab:orange", "recv": "tab:green"}
 _LANES = ("compute", "send", "recv")  # a rank's rows in the timeline, top to bottom

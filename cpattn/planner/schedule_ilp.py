@@ -1,4 +1,4 @@
-"""Scheduling a kernel graph (ultraattn.md, "Kernel graph and schedule"): start times that minimise the
+"""Scheduling a kernel graph (docs/ultraattn.md, "Schedule"): start times that minimise the
 makespan with no overlap on any lane, and the per-device issue order that follows from them.
 
 Two schedulers, both over the cost model's tasks (:class:`cpattn.cost.simulator.Task`):

@@ -1,5 +1,5 @@
-"""Hierarchical context tiling (ultraattn.md, "Three levels"): which device computes each cell, and
-which cells each device fuses into one kernel call.
+"""Hierarchical context tiling (docs/ultraattn.md, "Levels" and "Kernel level"): which device
+computes each cell, and which cells each device fuses into one kernel call.
 
 Ownership is contiguous: with ``c`` chunks per rank, chunk i (its Q, K, V and final outputs) lives on
 rank ``i // c``. Ranks are numbered node-major (rank = node * D + local index).
@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..cost.topology import Topology
+from ..topology import Topology
 from .block_table import BlockTable
 from .partition_ilp import MessageUnits, Partition, PartitionProblem, greedy, load_bound, loads, solve, traffic
 

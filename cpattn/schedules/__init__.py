@@ -1,6 +1,8 @@
 """Schedule registry: one algorithm per file, looked up by name.
 
-``get(name)`` returns the schedule object; ``available()`` says what each supports.
+``get(name)`` returns a new schedule object with default options (``USP(ulysses_degree=2)`` and
+``Ultra(options)`` take options directly); ``available()`` says what each supports. A new schedule is
+one file plus one line in :data:`_CLASSES` (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -19,30 +21,48 @@ from .ulysses import UlyssesSchedule
 from .usp import USPSchedule
 from .zigzag_ring import ZigzagRingSchedule
 
-_REGISTRY: dict[str, Schedule] = {}
+#: the registered schedule classes, by name, in registry order
+_REGISTRY: dict[str, type[Schedule]] = {}
+
+# friendly names for the schedules that take options
+USP = USPSchedule
+Ultra = UltraSchedule
 
 
-def register(schedule: Schedule) -> Schedule:
-    if schedule.name in _REGISTRY:
-        raise ValueError(f"schedule {schedule.name!r} is already registered")
-    _REGISTRY[schedule.name] = schedule
-    return schedule
+def register(cls: type[Schedule]) -> type[Schedule]:
+    """Add a schedule class (its ``name`` must be new); returns it, so it works as a decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, Schedule)) or not cls.name:
+        raise TypeError(f"register() takes a Schedule subclass with a name, got {cls!r}")
+    if cls.name in _REGISTRY:
+        raise ValueError(f"schedule {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
 
 
 for _cls in (RingSchedule, ZigzagRingSchedule, StripeRingSchedule, AllGatherSchedule,
              RingX1, RingX1o, RingX2, RingX2o, RingX3, RingX3b, RingX4, RingX4o, UltraSchedule,
              UlyssesSchedule, USPSchedule):
-    register(_cls())
+    register(_cls)
 
 
 def names() -> list[str]:
     return list(_REGISTRY)
 
 
-def get(name: str) -> Schedule:
+def get(name: str, **options) -> Schedule:
+    """A new ``name`` schedule with ``options`` (its defaults for those not given)."""
     if name not in _REGISTRY:
         raise ValueError(f"schedule={name!r} is unknown; accepted: {', '.join(_REGISTRY)} or 'auto'")
-    return _REGISTRY[name]
+    return _REGISTRY[name](**options)
+
+
+def resolve(schedule: str | Schedule) -> Schedule:
+    """A schedule object from a registered name or a schedule object (returned as is)."""
+    if isinstance(schedule, Schedule):
+        return schedule
+    if isinstance(schedule, str):
+        return get(schedule)
+    raise TypeError(f"schedule must be a name (str) or a cpattn.schedules.Schedule, got {type(schedule).__name__}")
 
 
 def available() -> list[dict]:
@@ -52,7 +72,7 @@ def available() -> list[dict]:
     accept only masks with / without ``is_causal``."""
     rows = []
     causal_layout, full_layout = (lambda s: s.layout_for(causal())), (lambda s: s.layout_for(full()))
-    for s in _REGISTRY.values():
+    for s in (cls() for cls in _REGISTRY.values()):
         same = causal_layout(s) == full_layout(s)
         rows.append({
             "name": s.name,
@@ -68,4 +88,4 @@ def available() -> list[dict]:
     return rows
 
 
-__all__ = ["Schedule", "available", "get", "names", "register"]
+__all__ = ["USP", "Schedule", "Ultra", "available", "get", "names", "register", "resolve"]

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cost.steps import CommOp, Problem, Step
 from ..kernels import acc_dtype
-from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
+from ..steps import CommOp, Problem, Step
+from ..topology import Topology
+from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
 
 
 class AllGatherSchedule(Schedule):
@@ -67,18 +68,10 @@ class AllGatherSchedule(Schedule):
         rt.comm.hierarchical_reduce_scatter(dkv, dkv_all, rt.topology if self.hierarchical else None)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
-    def volume(self, shape: Shape, rank: int) -> Volume:
-        p = shape.world
-        kv, dkv = (p - 1) * shape.kv_bytes, (p - 1) * shape.dkv_bytes
-        return {
-            "forward": {"all_gather": op_volume(1, kv, kv)},
-            "backward": {"all_gather": op_volume(1, kv, kv), "reduce_scatter": op_volume(1, dkv, dkv)},
-        }
-
-    def steps(self, problem: Problem, phase: str) -> list[Step]:
+    def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """The local diagonal overlaps the all-gather; then each rank attends every other rank's kv
         (no wait until the end); backward ends with the reduce-scatter, after all compute."""
-        p, shape, pairs = problem.world, Shape.of_problem(problem), self.pairs(problem)
+        p, shape, pairs = problem.world, problem, self.pairs(problem)
         gather = (CommOp("all_gather", shape.kv_bytes, hierarchical=self.hierarchical),)
         live = (p + 1) * shape.kv_bytes + shape.acc_bytes  # stacked and gathered kv, accumulators
         if phase == "forward":

@@ -1,76 +1,60 @@
 """What every schedule shares: the runtime it runs in, its declared properties, the autograd glue.
 
 A schedule is one algorithm (one file in this package). It declares its layout, which masks it
-accepts, its memory class and its analytic communication volume, and implements ``forward`` and
-``backward`` from the kernels, the merge and the communicator. Nothing else.
+accepts and its memory class; implements ``forward`` and ``backward`` from the kernels, the merge and
+the communicator; and describes what it does in ``steps(problem, phase, topology)`` (``cpattn.steps``),
+the one description of its traffic and work: its byte counts (:meth:`Schedule.volume`) are derived
+from it here, the cost model times it, and the recording tests check the runtime against it.
+
+A schedule object is stateless: its options (``USP(ulysses_degree=2)``, ``Ultra(options)``) are fixed
+at construction, and caches (block lists, plans) belong to the ``ContextParallel`` that runs it.
+See docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .. import blocks as blocks_mod
 from .. import kernels
 from ..comm import Communicator
-from ..cost.estimate import Estimate
-from ..cost.pairs import PairWork, pair_work
-from ..cost.steps import Problem, Step
-from ..cost.topology import Topology
 from ..kernels import acc_dtype
 from ..layout import Layout
 from ..masks import BlockKind, Mask
 from ..merge import merge_into
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Per-rank problem size, for analytic volumes. ``elem`` = bytes per element of q/k/v."""
-
-    batch: int
-    local_len: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    elem: int
-    acc_elem: int  # bytes per element of float32 (or float64) accumulators
-    world: int
-    topology: Topology | None = None  # where the ranks run, for schedules whose traffic depends on it
-
-    @property
-    def kv_bytes(self) -> int:
-        """k and v of one rank, packed, in the input dtype."""
-        return 2 * self.batch * self.local_len * self.kv_heads * self.head_dim * self.elem
-
-    @property
-    def dkv_bytes(self) -> int:
-        """dk and dv of one rank, packed, in the accumulation dtype."""
-        return 2 * self.batch * self.local_len * self.kv_heads * self.head_dim * self.acc_elem
-
-    @property
-    def acc_bytes(self) -> int:
-        """The output (or dq) accumulator and the lse of one rank's queries, in the accumulation dtype."""
-        return self.batch * self.local_len * self.heads * (self.head_dim + 1) * self.acc_elem
-
-    @staticmethod
-    def of_problem(problem: Problem) -> Shape:
-        """The per-rank shape of a cost-model :class:`~cpattn.cost.steps.Problem`."""
-        return Shape(problem.batch, problem.local_len, problem.heads, problem.kv_heads, problem.head_dim,
-                     problem.elem, problem.acc_elem, problem.world)
-
-    @staticmethod
-    def of(q: torch.Tensor, k: torch.Tensor, world: int, topology: Topology | None = None) -> Shape:
-        b, s, h, d = q.shape
-        return Shape(b, s, h, k.shape[2], d, q.element_size(),
-                     torch.empty((), dtype=acc_dtype(q.dtype)).element_size(), world, topology)
-
+from ..pairs import PairWork, pair_work
+from ..steps import PHASES, Problem, Step, group_size
+from ..topology import Topology
 
 Volume = dict[str, dict[str, dict[str, int]]]  # phase -> op -> {"calls", "bytes_sent", "bytes_recv"}
 
 
-def op_volume(calls: int, sent: int, recv: int) -> dict[str, int]:
-    return {"calls": calls, "bytes_sent": sent, "bytes_recv": recv}
+class BoundedCache:
+    """A least-recently-used map with at most ``maxsize`` entries, keyed by value."""
+
+    def __init__(self, maxsize: int = 1024) -> None:
+        self.maxsize = maxsize
+        self._items: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The entry of ``key``, built by ``build()`` when missing (evicting the least recently used)."""
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        value = build()
+        self._items[key] = value
+        if len(self._items) > self.maxsize:
+            self._items.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @dataclass
@@ -85,7 +69,8 @@ class Runtime:
     backend: str = "auto"
     topology: Topology | None = None  # nodes x devices per node, when the schedule should use it
     valid_len: int | None = None  # positions >= valid_len are padding (never attend, never attended)
-    _blocks: dict = field(default_factory=dict, repr=False)
+    plan: Any = None  # planned schedules (``ultra``): the cpattn.planner.Plan of this call
+    block_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
 
     @property
     def rank(self) -> int:
@@ -99,14 +84,16 @@ class Runtime:
         """Cached block list of the queries of ``q_rank`` (a rank, or several concatenated in that
         order) against ``kv_ranks``' keys (concatenated in that order); padding is never covered."""
         key = (q_rank if isinstance(q_rank, int) else tuple(q_rank), tuple(kv_ranks))
-        if key not in self._blocks:
-            self._blocks[key] = blocks_mod.for_ranks(self.mask, self.layout, self.seq_len, self.world,
-                                                     q_rank, list(kv_ranks), self.valid_len)
-        return self._blocks[key]
+        return self.block_cache.get(key, lambda: blocks_mod.for_ranks(self.mask, self.layout, self.seq_len,
+                                                                      self.world, q_rank, list(kv_ranks),
+                                                                      self.valid_len))
 
 
 class Schedule:
-    """Base class. Subclasses set the class attributes and implement forward/backward/volume."""
+    """Base class. Subclasses set the class attributes and implement forward, backward and steps.
+
+    A schedule with options is a frozen dataclass (``USP(ulysses_degree=2)``); two schedules are equal
+    when their class and options are, so they key caches by value."""
 
     name: str = ""
     layout: str = "contiguous"
@@ -117,19 +104,38 @@ class Schedule:
     memory: str = "O(local)"
     #: runs on any range layout (``ContextParallel(layout=...)``, e.g. "balanced"), not only its own
     custom_layout: bool = False
-    #: estimated by building a plan (:meth:`estimate_override`), which takes from under a second to tens
-    #: of seconds per problem: "auto" considers it only for masks other than causal and full
+    #: runs a plan (``Runtime.plan``) built by ``cpattn.planner`` instead of declaring ``steps``: its traffic
+    #: and estimate come from the plan. Building one takes from under a second to tens of seconds, so
+    #: "auto" considers planned schedules only for masks other than causal and full.
     planned: bool = False
     summary: str = ""
 
+    # ------------------------------------------------------------------ identity
+    def options(self) -> dict[str, Any]:
+        """The options this object was built with (dataclass fields; none for plain schedules)."""
+        if not dataclasses.is_dataclass(self):
+            return {}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def spec(self) -> str:
+        """``name`` plus its options, e.g. ``usp(ulysses_degree=2)``: what it is, as text."""
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{self.name}({opts})" if opts else self.name
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.options() == other.options()  # type: ignore[union-attr]
+
+    def __hash__(self) -> int:
+        return hash((type(self), tuple(self.options().items())))
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"
+
+    # ------------------------------------------------------------------ what it accepts
     def layout_for(self, mask: Mask) -> str:
         """The layout this schedule uses for ``mask`` (most schedules have one)."""
         return self.layout
-
-    def default_layout(self, mask: Mask, seq_len: int, world: int) -> tuple[Layout, int] | None:
-        """A layout fitted to this problem and the padded length it splits, for schedules that choose
-        one per problem (``ultra``); None: the named :meth:`layout_for`. Pure, so every rank agrees."""
-        return None
 
     def check_mask(self, mask: Mask) -> None:
         """Raise before any communication if this schedule cannot run ``mask`` exactly."""
@@ -146,6 +152,7 @@ class Schedule:
     def check_shape(self, q: torch.Tensor, k: torch.Tensor, world: int) -> None:
         """Schedule-specific shape requirements (e.g. heads divisible by the world). Default: none."""
 
+    # ------------------------------------------------------------------ the algorithm
     def forward(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``.
@@ -158,29 +165,32 @@ class Schedule:
         """Gradients ``dq, dk, dv`` in the input dtype."""
         raise NotImplementedError
 
-    def volume(self, shape: Shape, rank: int) -> Volume:
-        """Analytic bytes and calls per op on ``rank``, per phase ("forward", "backward")."""
-        raise NotImplementedError
+    # ------------------------------------------------------------------ its description
+    def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
+        """What every rank does in ``phase`` ("forward" or "backward"), step by step, as the runtime does
+        it (``cpattn.steps``): per step, the kernel calls of each rank, the communication ops issued in
+        it with their bytes, whether they are in flight during the step's compute, and the buffers
+        alive. ``topology``: where the ranks run, for schedules whose algorithm depends on it (``usp``
+        takes its Ulysses degree from the devices per node); None as ``ContextParallel`` runs without
+        one. Planned schedules (``ultra``) have a plan instead."""
+        raise NotImplementedError(f"schedule {self.name!r} does not implement steps(problem, phase, topology)")
 
-    def steps(self, problem: Problem, phase: str) -> list[Step]:
-        """What one rank does in ``phase`` ("forward" or "backward"), step by step, for the cost model
-        (``cpattn.cost.steps``): per step, the kernel calls of each rank, the communication ops issued
-        with their bytes (summing, over steps, to :meth:`volume`), whether they overlap the compute, and
-        the buffers alive. Schedules that implement neither it nor :meth:`estimate_override` cannot be
-        estimated or chosen by "auto"."""
-        raise NotImplementedError(f"schedule {self.name!r} does not implement steps(problem, phase)")
-
-    def steps_for(self, problem: Problem, phase: str, topology: Topology) -> list[Step]:
-        """The steps on ``topology``, which is what :func:`cpattn.cost.estimate` times: :meth:`steps`,
-        unless the algorithm depends on where the ranks run (``usp`` takes its Ulysses degree from the
-        devices per node, as it does at run time with a topology)."""
-        return self.steps(problem, phase)
-
-    def estimate_override(self, problem: Problem, topology: Topology, phase: str) -> Estimate | None:
-        """A prediction from the schedule's own model instead of :meth:`steps`, or None (the default) to
-        time the steps. ``ultra`` returns its plan's simulated makespan. Must be deterministic: every rank
-        of "auto" computes it independently."""
-        return None
+    def volume(self, problem: Problem, rank: int, topology: Topology | None = None) -> Volume:
+        """Bytes and calls per op kind on group rank ``rank``, per phase: the ops of :meth:`steps`,
+        counted by the communicator's rule (``CommOp.accounting``)."""
+        out: Volume = {}
+        for phase in PHASES:
+            vol: dict[str, dict[str, int]] = {}
+            for st in self.steps(problem, phase, topology):
+                for op in st.comm:
+                    size = group_size(op.group, problem.world, topology)
+                    for kind, (calls, sent, recv) in op.accounting(rank, size).items():
+                        acc = vol.setdefault(kind, {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
+                        acc["calls"] += calls
+                        acc["bytes_sent"] += sent
+                        acc["bytes_recv"] += recv
+            out[phase] = vol
+        return out
 
     def pairs(self, problem: Problem) -> PairWork:
         """The kernel calls of every (query rank, key rank) pair of ``problem`` in this schedule's layout,
@@ -217,10 +227,6 @@ def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         dv_acc[:, blk.kv] += dv
 
 
-def block_area(blocks: list[blocks_mod.Block]) -> int:
-    return sum(b.area for b in blocks)
-
-
 class Attention(torch.autograd.Function):
     """Autograd glue: ``forward`` runs the schedule's forward, ``backward`` its backward."""
 
@@ -240,6 +246,5 @@ class Attention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-__all__ = ["Attention", "BlockKind", "Runtime", "Schedule", "Shape", "Volume", "attend", "attend_backward",
-           "block_area",
-           "new_accumulators", "op_volume"]
+__all__ = ["Attention", "BlockKind", "BoundedCache", "Runtime", "Schedule", "Volume", "attend", "attend_backward",
+           "new_accumulators"]

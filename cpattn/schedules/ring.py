@@ -9,8 +9,9 @@ its contribution, and after P hops it is home. The incoming accumulator is waite
 step's block gradients are computed, so its transfer overlaps compute too. dq stays local.
 
 Per rank (P > 1): forward sends and receives (P-1) packed kv; backward (P-1) packed kv plus P float32
-dk/dv accumulators. ``ring_forward`` / ``ring_backward`` run the same ring over any list of ranks
-(``usp`` runs it across its Ulysses groups). Any range layout works (``custom_layout``).
+dk/dv accumulators (what :meth:`RingSchedule.steps` declares). ``ring_forward`` / ``ring_backward``
+run the same ring over any list of ranks (``usp`` runs it across its Ulysses groups). Any range layout
+works (``custom_layout``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from collections.abc import Callable
 import torch
 
 from ..blocks import Block
-from ..cost.steps import CommOp, Problem, Step, Work
 from ..kernels import acc_dtype
-from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
+from ..steps import CommOp, Problem, Step, Work
+from ..topology import Topology
+from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
 
 TAG_KV, TAG_DKV = 0, 1
 
@@ -94,19 +96,6 @@ def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], k
     return steps
 
 
-def ring_volume(n: int, kv_bytes: int, dkv_bytes: int) -> Volume:
-    """Per-rank traffic of :func:`ring_forward` / :func:`ring_backward` on a ring of ``n`` ranks
-    carrying ``kv_bytes`` of packed kv and ``dkv_bytes`` of packed float32 dk/dv."""
-    if n == 1:
-        return {"forward": {}, "backward": {}}
-    kv, dkv = kv_bytes, dkv_bytes
-    return {
-        "forward": {"send": op_volume(n - 1, (n - 1) * kv, 0), "recv": op_volume(n - 1, 0, (n - 1) * kv)},
-        "backward": {"send": op_volume(2 * n - 1, (n - 1) * kv + n * dkv, 0),
-                     "recv": op_volume(2 * n - 1, 0, (n - 1) * kv + n * dkv)},
-    }
-
-
 class RingSchedule(Schedule):
     name = "ring"
     layout = "contiguous"
@@ -127,14 +116,10 @@ class RingSchedule(Schedule):
                                 lambda t: rt.blocks(r, [(r - t) % p]))
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
-    def volume(self, shape: Shape, rank: int) -> Volume:
-        return ring_volume(shape.world, shape.kv_bytes, shape.dkv_bytes)
-
-    def steps(self, problem: Problem, phase: str) -> list[Step]:
+    def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """Step t attends the kv of rank r - t while the next kv travels (:func:`ring_steps`)."""
-        shape = Shape.of_problem(problem)
-        kv, dkv = CommOp("sendrecv", shape.kv_bytes), CommOp("sendrecv", shape.dkv_bytes)
-        live = 2 * shape.kv_bytes + shape.acc_bytes  # current and next kv, output accumulators
+        kv, dkv = CommOp("sendrecv", problem.kv_bytes), CommOp("sendrecv", problem.dkv_bytes)
+        live = 2 * problem.kv_bytes + problem.acc_bytes  # current and next kv, output accumulators
         if phase != "forward":
-            live += 2 * shape.dkv_bytes  # outgoing and incoming dk/dv
+            live += 2 * problem.dkv_bytes  # outgoing and incoming dk/dv
         return ring_steps(problem.world, self.pairs(problem).by_offset, kv, dkv, phase, live)

@@ -14,7 +14,8 @@ Which pairs attend comes from the mask classifier (``rt.blocks``): for owner i t
 q_i against kv_r, the backward block q_r against kv_i. Causal masks are rejected (``causal = False``);
 ``ringx2`` is the causal form of this exchange.
 
-At world size 1 there is nothing to exchange and the step runs locally. Per rank, for P > 1, with Q
+At world size 1 there is nothing to exchange and the step runs locally. Per rank, for P > 1 (what
+:meth:`RingX1.steps` declares), with Q
 the local queries (input dtype), O and R the bytes of a float32 output ``[b, s, h, d]`` and of one
 float32 per query row ``[b, h, s]``, KV the packed local kv (input dtype) and dKV the packed float32
 dk/dv: forward P broadcasts (send Q once, receive (P-1) Q), P all-reduces of R (the lse maximum) and
@@ -28,10 +29,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..cost.steps import CommOp, Problem, Step, Work, distribution
 from ..kernels import acc_dtype
 from ..merge import start_distributed_merge
-from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
+from ..steps import CommOp, Problem, Step, Work, distribution
+from ..topology import Topology
+from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
 
 #: per owner i, the kernel calls of every rank in i's step: ``((Work, ranks), ...)``
 OwnerWork = Callable[[int], tuple[tuple[Work, int], ...]]
@@ -39,12 +41,12 @@ OwnerWork = Callable[[int], tuple[tuple[Work, int], ...]]
 OwnerOps = Callable[[int], tuple[CommOp, ...]]
 
 
-def merge_bytes(shape: Shape) -> tuple[int, int, int]:
+def merge_bytes(problem: Problem) -> tuple[int, int, int]:
     """Bytes of the local queries (input dtype), and of the numerator ``[b, s, h, d]`` and the
     denominator ``[b, s, h, 1]`` of a distributed merge (accumulation dtype; the lse maximum is the
     denominator's size)."""
-    rows = shape.batch * shape.local_len * shape.heads
-    return rows * shape.head_dim * shape.elem, rows * shape.head_dim * shape.acc_elem, rows * shape.acc_elem
+    rows = problem.batch * problem.local_len * problem.heads
+    return problem.q_bytes, rows * problem.head_dim * problem.acc_elem, rows * problem.acc_elem
 
 
 class RingX1(Schedule):
@@ -144,30 +146,8 @@ class RingX1(Schedule):
         handle.wait()
         return buf if owner == rank else dkv
 
-    # ------------------------------------------------------------------ analytic volume
-    def _backward_volume(self, shape: Shape, rank: int) -> dict[str, dict[str, int]]:
-        owners = self._owners(shape.world, "backward")
-        if not owners:
-            return {}
-        n, mine = len(owners), int(rank in owners)
-        kv, dkv = shape.kv_bytes, shape.dkv_bytes
-        return {"broadcast": op_volume(n, mine * kv, (n - mine) * kv),
-                "reduce": op_volume(n, (n - mine) * dkv, mine * dkv)}
-
-    def volume(self, shape: Shape, rank: int) -> Volume:
-        owners = self._owners(shape.world, "forward")
-        forward = {}
-        if owners:
-            p, n, mine = shape.world, len(owners), int(rank in owners)
-            q_bytes, num, den = merge_bytes(shape)
-            all_reduce = 2 * (p - 1) * den // p  # the lse maximum: one float32 per row
-            forward = {"broadcast": op_volume(n, mine * q_bytes, (n - mine) * q_bytes),
-                       "all_reduce": op_volume(n, n * all_reduce, n * all_reduce),
-                       "reduce": op_volume(2 * n, (n - mine) * (num + den), mine * (num + den))}
-        return {"forward": forward, "backward": self._backward_volume(shape, rank)}
-
-    # ------------------------------------------------------------------ cost-model steps
-    def steps(self, problem: Problem, phase: str) -> list[Step]:
+    # ------------------------------------------------------------------ steps
+    def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """Forward, per owner i: broadcast q_i, every rank r computes pair(i, r), then the lse
         maximum (a blocking all-reduce) and the reduces of the numerator and the denominator onto i.
         Backward: :meth:`_backward_steps`. Live: the q buffers (two with overlap), the running and the
@@ -175,9 +155,8 @@ class RingX1(Schedule):
         the previous step too while its reduces are in flight)."""
         if phase != "forward":
             return self._backward_steps(problem)
-        shape = Shape.of_problem(problem)
-        q, num, den = merge_bytes(shape)
-        live = (1 + self.overlap) * (q + num + 2 * den) + 2 * shape.acc_bytes
+        q, num, den = merge_bytes(problem)
+        live = (1 + self.overlap) * (q + num + 2 * den) + 2 * problem.acc_bytes
         return self._owner_steps(problem, phase, q, self.pairs(problem).by_q_rank,
                                  lambda i: (CommOp("all_reduce", den),),
                                  lambda i: (CommOp("reduce", num, root=i), CommOp("reduce", den, root=i)), live)
@@ -186,9 +165,8 @@ class RingX1(Schedule):
         """Per owner i: broadcast the packed kv_i, every rank r computes pair(r, i), reduce the float32
         dk_i/dv_i onto i. Live: the stacked local kv and the kv buffers (two with overlap), dq, the
         dk/dv result and the step's dk_i/dv_i (and the previous step's while its reduce is in flight)."""
-        shape = Shape.of_problem(problem)
-        kv, dkv = shape.kv_bytes, shape.dkv_bytes
-        live = (2 + self.overlap) * kv + shape.acc_bytes + (2 + self.overlap) * dkv
+        kv, dkv = problem.kv_bytes, problem.dkv_bytes
+        live = (2 + self.overlap) * kv + problem.acc_bytes + (2 + self.overlap) * dkv
         return self._owner_steps(problem, "backward", kv, self.pairs(problem).by_kv_rank, lambda i: (),
                                  lambda i: (CommOp("reduce", dkv, root=i),), live)
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cost.steps import Problem, Step
-from .base import Runtime, Shape, Volume, attend, new_accumulators, op_volume
+from ..steps import Problem, Step
+from ..topology import Topology
+from .base import Runtime, attend, new_accumulators
 from .ringx1 import RingX1
 
 
@@ -50,23 +51,14 @@ class RingX4(RingX1):
                 incoming = self._broadcast(rt, kv, owners, n + 1)
         return out.to(q.dtype), lse
 
-    def volume(self, shape: Shape, rank: int) -> Volume:
-        owners = self._owners(shape.world, "forward")
-        forward = {}
-        if owners:
-            n, mine, kv = len(owners), int(rank in owners), shape.kv_bytes
-            forward = {"broadcast": op_volume(n, mine * kv, (n - mine) * kv)}
-        return {"forward": forward, "backward": self._backward_volume(shape, rank)}
-
-    def steps(self, problem: Problem, phase: str) -> list[Step]:
+    def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """Forward, per source i: broadcast the packed kv_i, every rank r computes pair(r, i) (the
         zigzag block rule) and merges it pairwise; no partial output travels. Backward is X1's. Live
         forward: the stacked local kv, the kv buffers (two with overlap) and the output accumulators."""
         if phase != "forward":
             return self._backward_steps(problem)
-        shape = Shape.of_problem(problem)
-        live = (2 + self.overlap) * shape.kv_bytes + shape.acc_bytes
-        return self._owner_steps(problem, phase, shape.kv_bytes, self.pairs(problem).by_kv_rank, lambda i: (),
+        live = (2 + self.overlap) * problem.kv_bytes + problem.acc_bytes
+        return self._owner_steps(problem, phase, problem.kv_bytes, self.pairs(problem).by_kv_rank, lambda i: (),
                                  lambda i: (), live)
 
 

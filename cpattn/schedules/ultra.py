@@ -1,13 +1,13 @@
-"""UltraAttn executor: runs a :class:`~cpattn.planner.Plan` on a process group (ultraattn.md, "Executor").
+"""UltraAttn executor: runs a plan (a :class:`cpattn.planner.Plan`, docs/ultraattn.md) on a process group.
 
-Layout: contiguous (rank r holds chunks ``r * c .. r * c + c - 1`` of the plan's ``c`` chunks per
-rank). Topology: ``rt.topology`` (nodes x devices per node; on CPU/gloo an emulated one), else this
-machine as one node (the ``local`` preset of :mod:`cpattn.cost.presets`). The plan is built on group
-rank 0 (or read from its cache) and broadcast as JSON to the other ranks on a separate, uncounted
-communicator, so every rank runs the identical plan; each process keeps the plans it has run in
-memory. Planning errors are re-raised on every rank.
+The plan arrives in ``Runtime.plan``: ``ContextParallel`` builds it with ``cpattn.planner`` (or reads
+it from the plan cache) on group rank 0, broadcasts it, and keeps it; this module only executes. The
+planner reads :data:`ITEMS` (what each message holds and its bytes) and :class:`Sizes` from here, so
+the bytes it plans are the bytes this executor sends.
 
-Each rank walks its operations in plan order:
+Layout: the plan's owner map (rank r holds chunks ``r * c .. r * c + c - 1`` of the plan's ``c``
+chunks per rank, over the sequence in the plan's piece order). Each rank walks its operations in
+plan order:
 
 - ``recv``: post an asynchronous receive (one call per message, so each can be waited on alone);
 - ``send``: post an asynchronous send (consecutive sends go in one batched call); an input that this
@@ -24,62 +24,131 @@ travel (GQA). The plan's validation guarantees the order cannot deadlock and mes
 ranks are posted in the same order on both sides.
 
 Communication per rank: one ``send`` per transfer leaving it and one ``recv`` per transfer arriving,
-with the sizes of :class:`cpattn.planner.kernel_graph.Sizes`; :meth:`UltraSchedule.volume` reads
-them from the plan last run for that shape.
-
-Cost model: :meth:`UltraSchedule.estimate_override` plans the problem on the topology asked for (or
-reads the plan cache) and reports the plan's simulated makespans, so ``cpattn.cost.estimate`` and
-"auto" (for masks other than causal and full) cover ``ultra`` too.
+of :meth:`Sizes.item_bytes` each (``Plan.volume``). ``ultra`` declares no ``steps()``: its plan is its
+description (the cost model simulates the plan; the recording tests compare a run with the plan's
+per-rank operations).
 """
 
 from __future__ import annotations
 
-import json
-import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .. import kernels
 from ..comm import Communicator
-from ..cost import presets
-from ..cost.estimate import Estimate, resident_bytes
-from ..cost.profile import ProfileError
-from ..cost.steps import Problem, split_phase
-from ..cost.topology import Topology
 from ..kernels import acc_dtype
-from ..layout import Layout
-from ..layout import from_pieces as layout_from_pieces
-from ..layout import pieces as layout_pieces
 from ..masks import BlockKind
 from ..merge import merge_into
-from ..planner import Plan, PlanOptions, Request, choose_order, get_plan, request
-from ..planner.kernel_graph import INPUTS, Sizes
-from ..planner.plan import Op
-from .base import Runtime, Schedule, Shape, Volume
+from .base import Runtime, Schedule
 
-log = logging.getLogger(__name__)
 TAGS = {"forward": 0, "backward": 1}
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.float64: "float64"}
 
 
-def _broadcast_text(comm: Communicator, text: str | None, device: torch.device) -> str:
-    """Group rank 0's ``text`` on every rank (its length, then its UTF-8 bytes, as tensors on ``device``:
-    NCCL only moves GPU tensors)."""
-    raw = text.encode() if comm.rank == 0 else b""
-    length = torch.tensor([len(raw)], dtype=torch.int64, device=device)
-    comm.broadcast(length, src=0)
-    data = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    if comm.rank == 0:
-        data.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-    comm.broadcast(data, src=0)
-    return data.cpu().numpy().tobytes().decode()
+@dataclass(frozen=True)
+class Sizes:
+    """What a message's size depends on: ``batch``, ``chunk`` tokens, ``heads``, ``kv_heads``,
+    ``head_dim``; ``elem`` / ``acc_elem`` bytes per element of the inputs / the accumulators."""
+
+    batch: int
+    chunk: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    elem: int
+    acc_elem: int
+
+    @property
+    def rows(self) -> int:
+        """Query rows of one chunk over all heads: ``b * chunk * h``."""
+        return self.batch * self.chunk * self.heads
+
+    @property
+    def kv(self) -> int:
+        """Elements of one chunk's packed k and v: ``2 * b * chunk * h_kv * d``."""
+        return 2 * self.batch * self.chunk * self.kv_heads * self.head_dim
+
+    def item_bytes(self, item: str) -> int:
+        """Bytes of one message of ``item`` (:data:`ITEMS`)."""
+        if item not in ITEMS:
+            raise ValueError(f"item {item!r} is unknown; accepted: {', '.join(ITEMS)}")
+        return ITEMS[item].nbytes(self)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One kind of message: in which ``phases`` it travels, whether it is an ``input`` of kernels or a
+    ``partial`` result, whether it follows a kernel's ``rows`` or ``cols``, its size, and how one
+    message is packed from and unpacked into its parts (:meth:`_Phase._own_input` gives the parts)."""
+
+    phases: tuple[str, ...]
+    role: str  # "input" or "partial"
+    follows: str  # "rows" or "cols"
+    nbytes: Callable[[Sizes], int]
+    #: the receive buffer: ``(shape, dtype)`` for the sizes and the (input, accumulation) dtypes
+    buffer: Callable[[Sizes, torch.dtype, torch.dtype], tuple[tuple[int, ...], torch.dtype]]
+    pack: Callable[[Any], torch.Tensor]
+    #: a received buffer as its parts, given the sizes and the (input, accumulation) dtypes
+    unpack: Callable[[torch.Tensor, Sizes, torch.dtype, torch.dtype], Any]
+
+
+def _pack_qb(value) -> torch.Tensor:
+    q, dout, out, lse = value  # lse (accumulation dtype) first, so every part stays aligned
+    rest = torch.stack([q, dout, out]).reshape(-1).view(torch.uint8)
+    return torch.cat([lse.contiguous().view(-1).view(torch.uint8), rest])
+
+
+def _unpack_qb(buf: torch.Tensor, z: Sizes, dtype: torch.dtype, acc: torch.dtype):
+    lse_bytes = z.rows * z.acc_elem
+    lse = buf[:lse_bytes].view(acc).view(z.batch, z.heads, z.chunk)
+    rest = buf[lse_bytes:].view(dtype).view(3, z.batch, z.chunk, z.heads, z.head_dim)
+    return rest[0], rest[1], rest[2], lse
+
+
+def _unpack_o(buf: torch.Tensor, z: Sizes, dtype: torch.dtype, acc: torch.dtype):
+    n = z.rows * z.head_dim
+    return buf[:n].view(z.batch, z.chunk, z.heads, z.head_dim), buf[n:].view(z.batch, z.heads, z.chunk)
+
+
+def _q_shape(z: Sizes) -> tuple[int, ...]:
+    return (z.batch, z.chunk, z.heads, z.head_dim)
+
+
+def _kv_shape(z: Sizes) -> tuple[int, ...]:
+    return (2, z.batch, z.chunk, z.kv_heads, z.head_dim)
+
+
+#: every message kind, one row each (the planner's kernel graph reads it too)
+ITEMS: dict[str, Item] = {
+    # query rows of a chunk
+    "q": Item(("forward",), "input", "rows", lambda z: z.rows * z.head_dim * z.elem,
+              lambda z, dt, acc: (_q_shape(z), dt), lambda v: v[0].contiguous(), lambda b, z, dt, acc: (b,)),
+    # keys and values of a chunk, packed
+    "kv": Item(("forward", "backward"), "input", "cols", lambda z: z.kv * z.elem,
+               lambda z, dt, acc: (_kv_shape(z), dt), lambda v: torch.stack(v), lambda b, z, dt, acc: (b[0], b[1])),
+    # a partial output and its lse, flat, in the accumulation dtype
+    "o": Item(("forward",), "partial", "rows", lambda z: z.rows * (z.head_dim + 1) * z.acc_elem,
+              lambda z, dt, acc: ((z.rows * (z.head_dim + 1),), acc),
+              lambda v: torch.cat([v[0].reshape(-1), v[1].reshape(-1)]), _unpack_o),
+    # backward inputs of a row: lse (accumulation dtype), then q, dout and the final out, as bytes
+    "qb": Item(("backward",), "input", "rows", lambda z: z.rows * (3 * z.head_dim * z.elem + z.acc_elem),
+               lambda z, dt, acc: ((z.rows * (3 * z.head_dim * z.elem + z.acc_elem),), torch.uint8),
+               _pack_qb, _unpack_qb),
+    # a partial dq
+    "dq": Item(("backward",), "partial", "rows", lambda z: z.rows * z.head_dim * z.acc_elem,
+               lambda z, dt, acc: (_q_shape(z), acc), lambda v: v.contiguous(), lambda b, z, dt, acc: b),
+    # a partial dk and dv, packed
+    "dkv": Item(("backward",), "partial", "cols", lambda z: z.kv * z.acc_elem,
+                lambda z, dt, acc: (_kv_shape(z), acc), lambda v: v.contiguous(), lambda b, z, dt, acc: b),
+}
 
 
 class _Phase:
     """The state of one phase on one rank: inputs at hand, pending receives, accumulators, sends."""
 
-    def __init__(self, rt: Runtime, plan: Plan, phase: str, local: dict[str, torch.Tensor],
+    def __init__(self, rt: Runtime, plan, phase: str, local: dict[str, torch.Tensor],
                  acc: dict[str, torch.Tensor]) -> None:
         self.rt, self.plan, self.phase = rt, plan, phase
         self.ph = plan.phase(phase)
@@ -92,7 +161,9 @@ class _Phase:
         self.kv_heads = local["k"].shape[2]
         self.dtype, self.acc = q.dtype, acc_dtype(q.dtype)
         self.device = q.device
-        self.input_items = {item for item, _ in INPUTS[phase]}
+        self.sizes = Sizes(self.batch, self.chunk, self.heads, self.kv_heads, self.head_dim, q.element_size(),
+                           torch.empty((), dtype=self.acc).element_size())
+        self.input_items = {n for n, it in ITEMS.items() if phase in it.phases and it.role == "input"}
         self.incoming = {(t.item, t.chunk): n for n, t in enumerate(self.ph.transfers)
                          if t.dst == self.rank and t.item in self.input_items}
         self.inputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}  # received, unpacked
@@ -141,51 +212,17 @@ class _Phase:
                      for x in range(len(parts[0])))
 
     # ------------------------------------------------------------------ messages
-    def _sizes(self) -> Sizes:
-        return self.plan.sizes(self.batch, self.heads, self.kv_heads, self.head_dim,
-                               torch.empty((), dtype=self.dtype).element_size(),
-                               torch.empty((), dtype=self.acc).element_size())
-
     def _buffer(self, item: str) -> torch.Tensor:
-        b, n, h, hkv, d = self.batch, self.chunk, self.heads, self.kv_heads, self.head_dim
-        new = Communicator.new_buffer
-        if item in ("q", "dq"):
-            return new((b, n, h, d), self.dtype if item == "q" else self.acc, self.device)
-        if item in ("kv", "dkv"):
-            return new((2, b, n, hkv, d), self.dtype if item == "kv" else self.acc, self.device)
-        if item == "o":
-            return new((b * n * h * (d + 1),), self.acc, self.device)
-        return new((self._sizes().item_bytes("qb"),), torch.uint8, self.device)
+        shape, dtype = ITEMS[item].buffer(self.sizes, self.dtype, self.acc)
+        return Communicator.new_buffer(shape, dtype, self.device)
 
     def _unpack(self, item: str, buf: torch.Tensor):
-        """Input items as a tuple of parts (see :meth:`_own_input`); ``o`` as (out, lse); dq, dkv as is."""
-        b, n, h, d = self.batch, self.chunk, self.heads, self.head_dim
-        if item == "q":
-            return (buf,)
-        if item == "kv":
-            return buf[0], buf[1]
-        if item == "o":
-            return buf[:b * n * h * d].view(b, n, h, d), buf[b * n * h * d:].view(b, h, n)
-        if item == "qb":  # lse (accumulation dtype) first, so every part stays aligned
-            lse_bytes = b * h * n * torch.empty((), dtype=self.acc).element_size()
-            lse = buf[:lse_bytes].view(self.acc).view(b, h, n)
-            rest = buf[lse_bytes:].view(self.dtype).view(3, b, n, h, d)
-            return rest[0], rest[1], rest[2], lse
-        return buf
+        """A message as its parts: inputs as :meth:`_own_input` gives them, ``o`` as (out, lse)."""
+        return ITEMS[item].unpack(buf, self.sizes, self.dtype, self.acc)
 
     def _pack(self, item: str, value) -> torch.Tensor:
         """One contiguous message: the inverse of :meth:`_unpack`."""
-        if item == "q":
-            return value[0].contiguous()
-        if item == "kv":
-            return torch.stack(value)
-        if item == "o":
-            return torch.cat([value[0].reshape(-1), value[1].reshape(-1)])
-        if item == "qb":
-            q, dout, out, lse = value
-            rest = torch.stack([q, dout, out]).reshape(-1).view(torch.uint8)
-            return torch.cat([lse.contiguous().view(-1).view(torch.uint8), rest])
-        return value.contiguous()
+        return ITEMS[item].pack(value)
 
     def _wait(self, n: int) -> torch.Tensor:
         handle, buf = self.pending.pop(n)
@@ -305,7 +342,11 @@ class _Phase:
             h.wait()
 
 
+@dataclass(frozen=True, eq=False)
 class UltraSchedule(Schedule):
+    """``plan_options``: a ``cpattn.planner.PlanOptions`` for the planner (None: its defaults)."""
+
+    plan_options: Any = None
     name = "ultra"
     layout = "contiguous"
     custom_layout = True
@@ -314,98 +355,15 @@ class UltraSchedule(Schedule):
     planned = True
     summary = "UltraAttn: ILP-placed cells, fused kernels, scheduled p2p, exact merges at owners"
 
-    def __init__(self, options: PlanOptions | None = None) -> None:
-        self.options = options or PlanOptions()
-        self._requests: dict[tuple, Request] = {}  # problem -> its resolved request
-        self._plans: dict[str, Plan] = {}  # request digest -> plan, on this process
-        self._by_shape: dict[tuple, Plan] = {}  # for volume(): the plan last run for a shape
-        self._estimated: dict[str, Plan] = {}  # request digest -> plan, for estimates only
-
-    def plan(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor) -> Plan:
-        """The plan for this call: from this process's memory, else built (or read from the cache)
-        on group rank 0 and broadcast."""
-        topology = rt.topology if rt.topology is not None else _local_topology(rt.world)
-        if topology.world != rt.world:
-            raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
-                             f"but the group has {rt.world}")
-        b, _, h, d = q.shape
-        _, order = layout_pieces(rt.layout, rt.seq_len, rt.world)
-        args = (rt.mask, rt.seq_len, topology, b, h, k.shape[2], d, _DTYPE_NAMES[q.dtype], self.options, rt.valid_len,
-                order)
-        req = self._requests.get(args)
-        if req is None:  # resolving a request classifies the mask's cells: once per problem
-            req = self._requests[args] = request(*args)
-        digest = req.digest()
-        plan = self._plans.get(digest)
-        if plan is None:
-            plan = self._distribute(rt, req, q.device)
-            self._plans[digest] = plan
-        self._by_shape[_shape_key(Shape.of(q, k, rt.world))] = plan
-        return plan
-
-    def estimate_override(self, problem: Problem, topology: Topology, phase: str) -> Estimate:
-        """The plan's prediction for ``problem`` on ``topology``, the plan built with this schedule's
-        options (or read from the plan cache: :func:`cpattn.planner.get_plan`; the planner is
-        deterministic). Per phase: ``total``, the plan's simulated makespan (seconds); ``compute``, the
-        busiest rank's compute lane (kernels and merges); ``comm``, the busiest rank's transfers (the
-        busier of its send and receive lanes; a plan may also wait on dependencies, so total can exceed
-        compute + comm); ``bytes_per_rank``, the busiest sender's bytes (as :meth:`Plan.volume` counts
-        them); ``peak_memory``, the resident tensors plus everything a rank receives and sends in the
-        phase (its buffers live to the end of the phase). Planning takes from under a second to tens of
-        seconds (64 ranks, 512K tokens)."""
-        order = choose_order(problem.mask, problem.seq_len, problem.world, options=self.options)
-        args = (problem.mask, problem.seq_len, topology, problem.batch, problem.heads, problem.kv_heads,
-                problem.head_dim, problem.dtype, self.options, None, order)
-        req = self._requests.get(args)
-        if req is None:
-            req = self._requests[args] = request(*args)
-        digest = req.digest()
-        plan = self._estimated.get(digest)
-        if plan is None:  # not self._plans: a plan there skips the broadcast that every rank must join
-            plan = self._estimated[digest] = get_plan(req)
-        sizes = plan.sizes(problem.batch, problem.heads, problem.kv_heads, problem.head_dim, problem.elem,
-                           problem.acc_elem)
-        total = compute = comm = 0.0
-        sent = peak = 0
-        for ph in split_phase(phase):
-            pp = plan.phase(ph)
-            total += pp.predicted
-            compute += max(_busy(ops, ("compute", "merge")) for ops in pp.ops)
-            comm += max(max(_busy(ops, ("send",)), _busy(ops, ("recv",))) for ops in pp.ops)
-            out, into = [0] * problem.world, [0] * problem.world
-            for t in pp.transfers:
-                out[t.src] += sizes.item_bytes(t.item)
-                into[t.dst] += sizes.item_bytes(t.item)
-            sent += max(out)
-            peak = max(peak, resident_bytes(problem, ph) + max(a + b for a, b in zip(out, into)))
-        return Estimate(total, compute, comm, total - compute, sent, peak, self.name, phase, problem.flops(phase))
-
-    def default_layout(self, mask, seq_len: int, world: int) -> tuple[Layout, int] | None:
-        """Round-robin pieces when :func:`cpattn.planner.choose_order` finds that they keep clearly more
-        work local than contiguous ranks (e.g. strided masks); None (contiguous) otherwise."""
-        padded = Layout(self.layout).padded_len(seq_len, world)
-        order = choose_order(mask, padded, world, valid_len=seq_len, options=self.options)
-        if order is None:
-            return None
-        return layout_from_pieces(order, padded, world, f"ultra-round-robin-{len(order) // world}"), padded
-
-    def _distribute(self, rt: Runtime, req: Request, device: torch.device) -> Plan:
-        if rt.world == 1:
-            return get_plan(req)
-        setup = Communicator(rt.comm.group)  # planning traffic is not attention traffic
-        text = None
-        if setup.rank == 0:
-            try:
-                text = get_plan(req).to_json()
-            except Exception as exc:  # every rank must hear about it, or they would wait forever
-                text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-        text = _broadcast_text(setup, text, device)
-        if text.startswith('{"error":'):
-            raise RuntimeError(f"ultra: planning failed on rank 0: {json.loads(text)['error']}")
-        return Plan.from_json(text)
+    @staticmethod
+    def _plan(rt: Runtime):
+        if rt.plan is None:
+            raise RuntimeError("ultra runs a plan (Runtime.plan); run it through cpattn.ContextParallel, "
+                               "which builds the plan with cpattn.planner")
+        return rt.plan
 
     def forward(self, rt: Runtime, q, k, v):
-        plan = self.plan(rt, q, k)
+        plan = self._plan(rt)
         b, s, h, d = q.shape
         acc = acc_dtype(q.dtype)
         out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
@@ -414,7 +372,7 @@ class UltraSchedule(Schedule):
         return out.to(q.dtype), lse
 
     def backward(self, rt: Runtime, dout, q, k, v, out, lse):
-        plan = self.plan(rt, q, k)
+        plan = self._plan(rt)
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)
@@ -422,31 +380,5 @@ class UltraSchedule(Schedule):
         _Phase(rt, plan, "backward", local, {"dq": dq, "dkv": dkv}).run()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
-    def volume(self, shape: Shape, rank: int) -> Volume:
-        plan = self._by_shape.get(_shape_key(shape))
-        if plan is None:
-            raise ValueError("ultra's volume comes from its plan: run the schedule on this shape first "
-                             "(or use cpattn.planner.Plan.volume)")
-        return plan.volume(rank, plan.sizes(shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.elem,
-                                            shape.acc_elem))
 
-
-def _local_topology(world: int) -> Topology:
-    """This machine (one node): its calibration profile's figures, or conservative defaults."""
-    try:
-        return presets.preset("local", world)
-    except ProfileError as exc:
-        log.warning("ultra: ignoring the calibration profile (%s); planning with conservative defaults", exc)
-        return presets.local(world)
-
-
-def _busy(ops: tuple[Op, ...], kinds: tuple[str, ...]) -> float:
-    """Seconds a rank's operations of ``kinds`` take in its plan (they share one lane, so they add)."""
-    return sum(op.end - op.start for op in ops if op.kind in kinds)
-
-
-def _shape_key(shape: Shape) -> tuple:
-    return (shape.world, shape.local_len, shape.batch, shape.heads, shape.kv_heads, shape.head_dim, shape.elem)
-
-
-__all__ = ["UltraSchedule"]
+__all__ = ["ITEMS", "Item", "Sizes", "UltraSchedule"]

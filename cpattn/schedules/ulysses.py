@@ -20,19 +20,20 @@ valid degrees; ``usp`` combines a smaller Ulysses degree with a ring).
 Per rank, for P > 1, every op is an all-to-all of N bytes in, counted (P-1) N / P each way: forward
 q (b s h d elements), kv (2 b s D K d, K kv heads per destination), out (b s h d) and lse (b h s,
 float32); backward dout, dq (b s h d each) and dk/dv (2 b s D K d). The exchange helpers take any
-list of member ranks; a strict subset of the group (``usp``'s Ulysses groups) exchanges with batched
-point-to-point instead of a collective (same bytes: (D-1) sends and receives of N / D).
+list of member ranks; a strict subset of the group (``usp``'s Ulysses groups) exchanges with
+point-to-point shifts instead of a collective (same bytes: (D-1) sends and receives of N / D).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..cost.pairs import head_split, pair_work
-from ..cost.steps import CommOp, Problem, Step
 from ..kernels import acc_dtype
 from ..layout import Layout
-from .base import Runtime, Schedule, Shape, Volume, attend, attend_backward, new_accumulators, op_volume
+from ..pairs import head_split, pair_work
+from ..steps import CommOp, Problem, Step
+from ..topology import Topology
+from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
 from .ring import ring_steps
 
 TAG_A2A = 2  # point-to-point exchanges inside a sub-group (ring.py uses 0 and 1)
@@ -62,7 +63,9 @@ def _replicated(plan: list[list[int]], kv_heads: int) -> bool:
 def exchange(rt: Runtime, members: list[int], send: torch.Tensor) -> torch.Tensor:
     """All-to-all among the group ranks ``members`` (this rank included): ``send[j]`` goes to
     ``members[j]``; returns ``recv`` with ``recv[j]`` from ``members[j]``. The whole group uses one
-    collective; a strict subset uses batched point-to-point."""
+    collective; a strict subset posts one point-to-point shift per k = 1 .. D-1 (send to the member k
+    places after this one, receive from the one k places before), all in flight together, as
+    :func:`exchange_ops` declares."""
     comm, d = rt.comm, len(members)
     if d == 1:
         return send
@@ -72,29 +75,10 @@ def exchange(rt: Runtime, members: list[int], send: torch.Tensor) -> torch.Tenso
         return out
     me = members.index(comm.rank)
     out[me].copy_(send[me])
-    others = [j for j in range(d) if j != me]
-    comm.send_recv([(send[j], members[j]) for j in others], [(out[j], members[j]) for j in others],
-                   tag=TAG_A2A).wait()
-    return out
-
-
-def exchange_volume(d: int, nbytes: int, whole_group: bool) -> dict[str, dict[str, int]]:
-    """Counts of one :func:`exchange` of ``nbytes`` in per rank among ``d`` members."""
-    if d == 1:
-        return {}
-    part = (d - 1) * nbytes // d
-    if whole_group:
-        return {"all_to_all": op_volume(1, part, part)}
-    return {"send": op_volume(d - 1, part, 0), "recv": op_volume(d - 1, 0, part)}
-
-
-def add_volumes(*volumes: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for vol in volumes:
-        for op, v in vol.items():
-            acc = out.setdefault(op, op_volume(0, 0, 0))
-            for key in acc:
-                acc[key] += v[key]
+    shifts = [comm.send_recv([(send[(me + k) % d], members[(me + k) % d])],
+                             [(out[(me - k) % d], members[(me - k) % d])], tag=TAG_A2A) for k in range(1, d)]
+    for handle in shifts:
+        handle.wait()
     return out
 
 
@@ -195,10 +179,7 @@ class UlyssesSchedule(Schedule):
         dkv = gather_dkv(rt, members, dkv_h, plan, k.shape[2], dkv_dtype(plan, k.shape[2], q.dtype))
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
-    def volume(self, shape: Shape, rank: int) -> Volume:
-        return ulysses_volume(shape, shape.world, whole_group=True)
-
-    def steps(self, problem: Problem, phase: str) -> list[Step]:
+    def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """The all-to-alls to the head split, whole-sequence attention on h/P heads (the same work on
         every rank), the all-to-alls back (:func:`head_split_steps` with one group)."""
         return head_split_steps(problem, phase, problem.world, self.name)
@@ -208,8 +189,8 @@ class UlyssesSchedule(Schedule):
 EXCHANGES = {"forward": (("q", "kv"), ("out", "lse")), "backward": (("dout",), ("dq", "dkv"))}
 
 
-def messages(shape: Shape, degree: int) -> dict[str, int]:
-    """Bytes per rank going into each exchange of Ulysses among ``degree`` ranks, for per-rank ``shape``
+def messages(shape: Problem, degree: int) -> dict[str, int]:
+    """Bytes per rank going into each exchange of Ulysses among ``degree`` ranks, for ``shape``
     (local tokens s): q, out, dout, dq (b s h d, input dtype), kv (2 b s D K d, K kv heads per member,
     input dtype), lse (b h s, accumulation dtype) and dkv (kv's elements, in the accumulation dtype
     when a kv head went to several members, else the input dtype)."""
@@ -222,19 +203,12 @@ def messages(shape: Shape, degree: int) -> dict[str, int]:
             "dkv": kv * (a if _replicated(plan, hk) else e)}
 
 
-def ulysses_volume(shape: Shape, degree: int, whole_group: bool) -> Volume:
-    """Counts of the Ulysses exchanges of ``degree`` ranks for per-rank ``shape`` (local tokens s)."""
-    msg = messages(shape, degree)
-    return {phase: add_volumes(*(exchange_volume(degree, msg[m], whole_group) for part in parts for m in part))
-            for phase, parts in EXCHANGES.items()}
-
-
 def exchange_ops(degree: int, nbytes: int, whole_group: bool, group: str = "world") -> tuple[CommOp, ...]:
     """The cost-model ops of one :func:`exchange` of ``nbytes`` in per rank among ``degree`` members:
     one all-to-all over the whole group, else one point-to-point shift by k = 1 .. degree-1 of
-    ``nbytes / degree`` each (one batched call at run time; the ops of a step add up, as the
-    all-to-all's pairwise rounds do), on ``group`` ("node" when every member set lies in one node;
-    on "world" a shift by k stands for the shift inside each member set)."""
+    ``nbytes / degree`` each (one call each at run time, all in flight together; the ops of a step add
+    up, as the all-to-all's pairwise rounds do), on ``group`` ("node" when every member set lies in one
+    node; on "world" a shift by k stands for the shift inside each member set)."""
     if degree == 1:
         return ()
     if whole_group:
@@ -254,7 +228,7 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
     if p % degree:
         raise ValueError(f"{name}: the Ulysses degree {degree} must divide the group size {p}")
     check_heads(name, problem.heads, degree, p)
-    shape, n = Shape.of_problem(problem), p // degree
+    shape, n = problem, p // degree
     msg = messages(shape, degree)
     kv_heads = len(kv_plan(problem.heads, problem.kv_heads, degree)[0])
     pairs = pair_work(problem.mask, Layout("contiguous"), problem.seq_len, n)

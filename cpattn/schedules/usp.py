@@ -21,14 +21,15 @@ dk/dv.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..cost.steps import Problem, Step
-from ..cost.topology import Topology
-from .base import Runtime, Schedule, Shape, Volume
-from .ring import ring_backward, ring_forward, ring_volume
+from ..steps import Problem, Step
+from ..topology import Topology
+from .base import Runtime, Schedule
+from .ring import ring_backward, ring_forward
 from .ulysses import (
-    add_volumes,
     check_heads,
     divisors,
     dkv_dtype,
@@ -39,11 +40,14 @@ from .ulysses import (
     kv_plan,
     scatter_heads,
     scatter_kv,
-    ulysses_volume,
 )
 
 
+@dataclass(frozen=True, eq=False)
 class USPSchedule(Schedule):
+    """``ulysses_degree``: the Ulysses group size D (None: chosen per problem, see the module doc)."""
+
+    ulysses_degree: int | None = None
     name = "usp"
     layout = "contiguous"
     masks = "any"
@@ -51,11 +55,10 @@ class USPSchedule(Schedule):
     memory = "O(local), 2 kv buffers, head-split q, kv, out kept for the backward"
     summary = "Ulysses all-to-all inside groups (a node with a topology) x ring across them"
 
-    def __init__(self, ulysses_degree: int | None = None, name: str = "usp") -> None:
-        if ulysses_degree is not None and (not isinstance(ulysses_degree, int) or ulysses_degree < 1):
-            raise ValueError(f"ulysses_degree must be a positive int or None, got {ulysses_degree!r}")
-        self.ulysses_degree = ulysses_degree
-        self.name = name
+    def __post_init__(self) -> None:
+        d = self.ulysses_degree
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"ulysses_degree must be a positive int or None, got {d!r}")
 
     def degree(self, heads: int, world: int, topology: Topology | None = None) -> int:
         """The Ulysses degree D for ``heads`` query heads on ``world`` ranks (see the module doc)."""
@@ -106,22 +109,11 @@ class USPSchedule(Schedule):
         dkv = gather_dkv(rt, members, dkv_h, plan, k.shape[2], dkv_dtype(plan, k.shape[2], q.dtype))
         return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
-    def volume(self, shape: Shape, rank: int) -> Volume:
-        d = self.degree(shape.heads, shape.world, shape.topology)
-        uly = ulysses_volume(shape, d, whole_group=d == shape.world)
-        k = len(kv_plan(shape.heads, shape.kv_heads, d)[0])
-        kv_h = 2 * shape.batch * d * shape.local_len * k * shape.head_dim
-        ring = ring_volume(shape.world // d, kv_h * shape.elem, kv_h * shape.acc_elem)
-        return {phase: add_volumes(uly[phase], ring[phase]) for phase in ("forward", "backward")}
-
-    def steps(self, problem: Problem, phase: str) -> list[Step]:
-        """As run without a topology: the Ulysses exchanges of degree D, the ring across the P / D
-        groups, the exchanges back (:func:`~cpattn.schedules.ulysses.head_split_steps`)."""
-        return head_split_steps(problem, phase, self.degree(problem.heads, problem.world), self.name)
-
-    def steps_for(self, problem: Problem, phase: str, topology: Topology) -> list[Step]:
-        """As run with ``topology``: D from its devices per node; the point-to-point exchanges of a
-        strict subset run inside a node when D divides the devices per node."""
+    def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
+        """The Ulysses exchanges of degree D, the ring across the P / D groups, the exchanges back
+        (:func:`~cpattn.schedules.ulysses.head_split_steps`). With ``topology``, D comes from its devices
+        per node and the point-to-point exchanges of a strict subset run inside a node when D divides
+        the devices per node."""
         d = self.degree(problem.heads, problem.world, topology)
-        group = "node" if topology.devices_per_node % d == 0 else "world"
+        group = "node" if topology is not None and topology.devices_per_node % d == 0 else "world"
         return head_split_steps(problem, phase, d, self.name, group)

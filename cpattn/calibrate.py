@@ -25,11 +25,15 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from .collectives import op_time
-from .device import RatePoint
-from .profile import Profile
+from . import kernels
+from .comm import Communicator
+from .cost.collectives import op_time
+from .cost.profile import Profile
+from .launcher import LocalWorld, RankError
+from .masks import BlockKind
+from .merge import merge_into
 from .steps import CommOp, Kernel, Problem
-from .topology import Link, Topology
+from .topology import Link, RatePoint, Topology
 
 CALIBRATED_OPS = ("sendrecv", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce", "all_to_all")
 
@@ -68,16 +72,14 @@ def _median_time(fn: Callable[[], object], reps: int, barrier: Callable[[], None
 
 
 def _comm():
-    from ..comm import Communicator
 
     return Communicator()
 
 
 def _inputs(s: Settings, n: int):
-    from ..verify import DTYPES
 
     g = torch.Generator().manual_seed(n)
-    dt = DTYPES[s.dtype]
+    dt = kernels.DTYPES[s.dtype]
     q = torch.randn(s.batch, n, s.heads, s.head_dim, generator=g).to(dt)
     k = torch.randn(s.batch, n, s.kv_heads, s.head_dim, generator=g).to(dt)
     v = torch.randn(s.batch, n, s.kv_heads, s.head_dim, generator=g).to(dt)
@@ -86,8 +88,6 @@ def _inputs(s: Settings, n: int):
 
 def rank_kernels(settings: dict, kind: str, n: int) -> dict[str, float]:
     """On every rank: median seconds of one forward and one backward ``kind`` kernel of side ``n``."""
-    from .. import kernels
-    from ..masks import BlockKind
 
     s = Settings(**settings)
     comm = _comm()
@@ -108,7 +108,6 @@ def rank_kernels(settings: dict, kind: str, n: int) -> dict[str, float]:
 
 def rank_merge(settings: dict, n: int) -> float:
     """On every rank: median seconds of one pairwise merge of ``n`` query rows."""
-    from ..merge import merge_into
 
     s = Settings(**settings)
     comm = _comm()
@@ -153,8 +152,6 @@ def rank_collective(settings: dict, op: str, nbytes: int) -> float:
 def rank_overlap(settings: dict, n: int, nbytes: int) -> dict[str, float]:
     """On every rank: seconds of a forward FULL kernel of side ``n``, of a ``sendrecv`` of ``nbytes``,
     and of both at once (the transfer issued before the kernel, waited after it)."""
-    from .. import kernels
-    from ..masks import BlockKind
 
     s = Settings(**settings)
     comm = _comm()
@@ -203,7 +200,6 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
     ``progress(what, done, total)`` is called before each measurement and once at the end."""
     import psutil
 
-    from ..launcher import LocalWorld, RankError
 
     say = progress or (lambda what, done, total: None)
     cores = os.cpu_count() or 1

@@ -1,7 +1,10 @@
-"""What a schedule declares to the cost model: a problem, and the steps it runs on it (pure data).
+"""What a schedule declares: a problem, and the steps it runs on it (pure data).
 
-A schedule's ``steps(problem, phase)`` (see :class:`cpattn.schedules.base.Schedule`) returns a list of
-:class:`Step`. Steps run in order on every rank. A step is the interval between two points where
+A schedule's ``steps(problem, phase, topology)`` (see :class:`cpattn.schedules.base.Schedule`) returns
+a list of :class:`Step`: the one description of its communication and compute. Its per-rank byte
+counts (``Schedule.volume``, through :meth:`CommOp.accounting` and :func:`payload`), the
+cost model's estimate and the recording tests (``cpattn.verify.check_spec``) all read it. Steps run in
+order on every rank. A step is the interval between two points where
 ranks wait on each other (a transfer's ``wait``): it holds the kernel calls each rank runs (as a
 distribution: which :data:`Work` how many ranks do), the communication ops issued in it, and whether
 those ops overlap the step's compute. The cost model times a step by its busiest rank, so a step
@@ -14,13 +17,48 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..masks import BlockKind, CausalMask, FullMask, Mask, allowed_pairs, resolve
+from .kernels import DTYPES, element_bytes
+from .masks import BlockKind, CausalMask, FullMask, Mask, allowed_pairs, resolve
 
-#: bytes per element of q/k/v for each supported dtype name
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+#: bytes per element of q/k/v for each supported dtype name (from the one table, ``kernels.DTYPES``)
+DTYPE_BYTES = {name: element_bytes(name) for name in DTYPES}
 PHASES = ("forward", "backward")
 #: backward kernels do 2.5x the forward FLOPs (the convention bench.md uses)
 BACKWARD_FLOP_RATIO = 2.5
+
+
+def payload(op: str, nbytes: int, size: int, rank: int, root: int = 0) -> tuple[int, int]:
+    """``(bytes_sent, bytes_recv)`` that one ``op`` of ``nbytes`` adds to group rank ``rank``'s
+    accounting in a group of ``size`` ranks (the table in ``cpattn.comm``'s docstring: the one
+    accounting rule). ``nbytes``: the tensor of a send / recv / broadcast / reduce / all_reduce; the
+    per-rank input of an all_gather or all_to_all; the per-rank output of a reduce_scatter. ``root``: of
+    a broadcast or reduce."""
+    n, p = int(nbytes), size
+    if op == "send":
+        return n, 0
+    if op == "recv":
+        return 0, n
+    if op == "broadcast":
+        return (n, 0) if rank == root else (0, n)
+    if op == "reduce":
+        return (0, n) if rank == root else (n, 0)
+    if op == "all_reduce":
+        vol = 2 * (p - 1) * n // p
+    elif op == "all_to_all":
+        vol = (p - 1) * n // p
+    elif op in ("all_gather", "reduce_scatter"):
+        vol = (p - 1) * n
+    else:
+        raise ValueError(f"op={op!r} is unknown to the accounting")
+    return vol, vol
+
+
+def attention_flops(batch: int, heads: int, head_dim: int, pairs: float, phase: str = "forward") -> float:
+    """The one FLOP count: ``4 b h d`` per attending (query, key) pair forward, 2.5x that backward
+    (bench.md's convention); ``phase`` may be "forward+backward"."""
+    return 4.0 * batch * heads * head_dim * pairs * sum(_phase_factor(p) for p in split_phase(phase))
+
+
 #: communication ops a step may issue (``sendrecv`` is one batched send plus one receive)
 COMM_OPS = ("sendrecv", "broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: process groups an op may run on: every rank, the ranks of one node, or one rail (same local index)
@@ -65,8 +103,28 @@ class Problem:
 
     @property
     def acc_elem(self) -> int:
-        """Bytes per element of partial outputs and gradient accumulators (float32, float64 for float64)."""
-        return 8 if self.dtype == "float64" else 4
+        """Bytes per element of partial outputs and gradient accumulators (``kernels.acc_dtype``)."""
+        return element_bytes(self.dtype, accumulator=True)
+
+    @property
+    def q_bytes(self) -> int:
+        """One rank's queries (or out, dout, dq in the input dtype) ``[b, s, h, d]``."""
+        return self.batch * self.local_len * self.heads * self.head_dim * self.elem
+
+    @property
+    def kv_bytes(self) -> int:
+        """k and v of one rank, packed, in the input dtype."""
+        return 2 * self.batch * self.local_len * self.kv_heads * self.head_dim * self.elem
+
+    @property
+    def dkv_bytes(self) -> int:
+        """dk and dv of one rank, packed, in the accumulation dtype."""
+        return 2 * self.batch * self.local_len * self.kv_heads * self.head_dim * self.acc_elem
+
+    @property
+    def acc_bytes(self) -> int:
+        """The output (or dq) accumulator and the lse of one rank's queries, in the accumulation dtype."""
+        return self.batch * self.local_len * self.heads * (self.head_dim + 1) * self.acc_elem
 
     def allowed_pairs(self) -> int:
         """(query, key) pairs that attend over the whole sequence (closed form for causal and full)."""
@@ -83,8 +141,7 @@ class Problem:
     def flops(self, phase: str) -> float:
         """Attention FLOPs of ``phase`` ("forward", "backward" or "forward+backward") over the whole
         sequence, counting only allowed pairs: 4 b h d pairs forward, 2.5 x that backward."""
-        fwd = 4.0 * self.batch * self.heads * self.head_dim * self.allowed_pairs()
-        return fwd * sum(_phase_factor(p) for p in split_phase(phase))
+        return attention_flops(self.batch, self.heads, self.head_dim, self.allowed_pairs(), phase)
 
 
 _cached_allowed_pairs = lru_cache(maxsize=64)(allowed_pairs)
@@ -125,7 +182,7 @@ class Kernel:
         densely over its whole rectangle (the mask is applied to the scores)."""
         pairs = self.q_len * self.kv_len if self.kind == BlockKind.PARTIAL.value else self.area
         heads, _ = self.head_counts(problem)
-        return 4.0 * problem.batch * heads * problem.head_dim * pairs * _phase_factor(phase)
+        return attention_flops(problem.batch, heads, problem.head_dim, pairs, phase)
 
     def epilogue_bytes(self, problem: Problem, phase: str) -> float:
         """Memory traffic of folding the result into the accumulators (bytes): forward, read and
@@ -186,21 +243,19 @@ class CommOp:
 
     def accounting(self, rank: int, size: int) -> dict[str, tuple[int, int, int]]:
         """``{op kind: (calls, bytes_sent, bytes_recv)}`` this op adds to group rank ``rank``'s
-        ``Communicator.stats()`` in a group of ``size`` ranks (the table in ``cpattn.comm``)."""
-        n, p = self.bytes, size
-        if self.op == "sendrecv":
-            return {"send": (1, n, 0), "recv": (1, 0, n)}
-        if self.op == "broadcast":
-            return {"broadcast": (1, n if rank == self.root else 0, 0 if rank == self.root else n)}
-        if self.op == "reduce":
-            return {"reduce": (1, 0 if rank == self.root else n, n if rank == self.root else 0)}
-        if self.op == "all_reduce":
-            vol = 2 * (p - 1) * n // p
-        elif self.op == "all_to_all":
-            vol = (p - 1) * n // p
-        else:
-            vol = (p - 1) * n
-        return {self.op: (1, vol, vol)}
+        ``Communicator.stats()`` in a group of ``size`` ranks (:func:`payload`)."""
+        kinds = ("send", "recv") if self.op == "sendrecv" else (self.op,)
+        return {k: (1, *payload(k, self.bytes, size, rank, self.root)) for k in kinds}
+
+
+def group_size(group: str, world: int, topology=None) -> int:
+    """Ranks in a :data:`GROUPS` group: every rank (``world``), one node's or one rail's (``topology``:
+    a ``cpattn.topology.Topology``; required for "node" and "rail")."""
+    if group == "world":
+        return world
+    if topology is None:
+        raise ValueError(f"a {group!r} group needs a topology")
+    return {"node": topology.devices_per_node, "rail": topology.nodes}[group]
 
 
 @dataclass(frozen=True)
@@ -223,5 +278,6 @@ def distribution(works) -> tuple[tuple[Work, int], ...]:
     return tuple(sorted(counts.items()))
 
 
-__all__ = ["BACKWARD_FLOP_RATIO", "COMM_OPS", "DTYPE_BYTES", "GROUPS", "PHASES", "CommOp", "Kernel", "Problem",
-           "Step", "Work", "area", "distribution", "split_phase", "work"]
+__all__ = ["BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES", "GROUPS", "Kernel", "PHASES", "Problem",
+           "Step", "Work", "area", "attention_flops", "distribution", "group_size", "payload", "split_phase",
+           "work"]

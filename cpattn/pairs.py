@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-from .. import blocks
-from ..layout import Layout
-from ..masks import BlockKind, CausalMask, FullMask, Mask
+from . import blocks
+from .layout import Layout
+from .masks import BlockKind, CausalMask, FullMask, Mask
 from .steps import Kernel, Work, distribution, work
 
 

@@ -1,0 +1,122 @@
+"""``cpattn plan``: build (or load) an UltraAttn plan; print the placement and predicted time, draw a
+heatmap and a timeline."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import args as a
+from .output import stderr, stdout
+
+DEFAULT_GPUS = 8
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    pl = sub.add_parser("plan", help="build (or load) an UltraAttn plan: print the placement and predicted time, "
+                                     "draw a heatmap and a timeline")
+    pl.add_argument("--topology", type=a.topology(), default="dgx-h100",
+                    help="a preset (dgx-h100, dgx-a100, frontier, local) or NxD, e.g. 2x4, which implies --gpus "
+                         "(default dgx-h100)")
+    pl.add_argument("--gpus", "-P", type=int, default=None,
+                    help=f"number of devices (default {DEFAULT_GPUS}, or the devices of an NxD topology)")
+    pl.add_argument("--seq", type=int, default=65536, help="global sequence length (default 65536)")
+    pl.add_argument("--mask", type=a.mask, default="causal",
+                    help="causal, full, or a mask spec (cpattn.masks.from_spec) as JSON")
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--heads", type=int, default=32)
+    pl.add_argument("--kv-heads", type=int, default=8)
+    pl.add_argument("--head-dim", type=int, default=128)
+    pl.add_argument("--dtype", default="bfloat16", choices=a.dtypes(float64=True))
+    pl.add_argument("--eps", type=float, default=0.1, help="load tolerance of the partition ILP (default 0.1)")
+    pl.add_argument("--time-budget", type=float, default=15.0, help="seconds of CP-SAT solving per plan (default 15)")
+    pl.add_argument("--no-solver", action="store_true", help="greedy placement and list schedule only")
+    pl.add_argument("--chunks-per-rank", type=int, default=None, help="fix the granularity (default: automatic)")
+    pl.add_argument("--owner-map", choices=["auto", "contiguous"], default="auto",
+                    help="which rank holds which tokens: ultra's own choice (round-robin pieces when they keep "
+                         "clearly more work local) or contiguous (default auto)")
+    pl.add_argument("--cache-dir", default=None, help="plan cache (default $CPATTN_CACHE_DIR or ~/.cache/cpattn/plans)")
+    pl.add_argument("--no-cache", action="store_true", help="always plan anew; store nothing")
+    pl.add_argument("--json", help="also write the plan JSON to this path")
+    pl.add_argument("--heatmap", default="plan_heatmap.png", help="PNG of which rank computes each cell ('' for none)")
+    pl.add_argument("--timeline", default="plan_timeline.png", help="PNG of every rank's lanes ('' for none)")
+    pl.set_defaults(func=run)
+    return pl
+
+
+def run(args) -> int:
+    from rich.table import Table
+
+    from .. import planner
+    from ..masks import resolve
+    from ..planner import plot
+    from ..steps import DTYPE_BYTES
+
+    (gpus,) = a.device_counts(args.topology, None if args.gpus is None else [args.gpus], [DEFAULT_GPUS], "--gpus")
+    topology = args.topology.build(gpus)
+    mask = resolve(args.mask)
+    options = planner.PlanOptions(eps=args.eps, time_budget=args.time_budget, use_solver=not args.no_solver,
+                                  chunks_per_rank=args.chunks_per_rank)
+    order = None if args.owner_map == "contiguous" else planner.choose_order(mask, args.seq, gpus, options=options)
+    req = planner.request(mask, args.seq, topology, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype,
+                          options, order=order)
+    owner_map = "contiguous" if order is None else (f"round-robin, {len(order) // gpus} pieces of "
+                                                    f"{args.seq // len(order)} tokens per rank (cells in the "
+                                                    "ranks' order)")
+    err = stderr()
+    with err.status(f"planning {gpus} devices ({topology.nodes} x {topology.devices_per_node})"):
+        plan = planner.get_plan(req, cache=not args.no_cache, directory=args.cache_dir)
+    out = stdout()
+    table = plan.table
+    out.print(f"[bold]UltraAttn plan[/bold]: mask {mask!r}, S={args.seq}, {topology.nodes} x "
+              f"{topology.devices_per_node} devices ({topology.name}), h={args.heads}:{args.kv_heads} "
+              f"d={args.head_dim} b={args.batch} {args.dtype}; {table.n} x {table.n} cells of {table.chunk} tokens "
+              f"({plan.chunks_per_rank} per rank), node-level chunk {req.node_chunk}; owner map: {owner_map}; "
+              f"built in {plan.seconds:.1f} s; "
+              f"cache: {'off' if args.no_cache else args.cache_dir or planner.cache_dir()}")
+    levels = Table(title="placement (partition ILP per level; V = busiest unit's traffic in message units)")
+    for col in ("phase", "level", "method", "status", "V", "greedy V", "max load / bound", "s"):
+        levels.add_column(col, justify="left" if col in ("phase", "level", "method", "status") else "right")
+    for name in ("forward", "backward"):
+        for r in plan.phase(name).levels:
+            where = r["level"] + (f" {r['node']}" if "node" in r else "") + (" (reused)" if r.get("reused") else "")
+            levels.add_row(name, where, r["method"], r["status"], str(r["v"]), str(r["greedy_v"] or "-"),
+                           f"{r['max_load']} / {r['bound']}", f"{r['seconds']:.2f}")
+    out.print(levels)
+    elem = DTYPE_BYTES[args.dtype]
+    sizes = plan.sizes(args.batch, args.heads, args.kv_heads, args.head_dim, elem, 8 if elem == 8 else 4)
+    summary = Table(title="schedule (kernel graph on compute / send / receive lanes)")
+    for col in ("phase", "kernels", "max cells", "transfers", "busiest sent MB", "busiest recv MB", "predicted ms",
+                "scheduler"):
+        summary.add_column(col, justify="left" if col in ("phase", "scheduler") else "right")
+    for name in ("forward", "backward"):
+        ph = plan.phase(name)
+        vols = [plan.volume(r, sizes)[name] for r in range(plan.world)]
+        sent = max(v.get("send", {}).get("bytes_sent", 0) for v in vols)
+        recv = max(v.get("recv", {}).get("bytes_recv", 0) for v in vols)
+        summary.add_row(name, str(len(ph.kernels)), str(ph.max_cells), str(len(ph.transfers)), f"{sent / 1e6:.4g}",
+                        f"{recv / 1e6:.4g}", f"{ph.predicted * 1e3:.4g}",
+                        f"{ph.scheduler['method']} ({ph.scheduler['status']})")
+    out.print(summary)
+    if table.n <= 64:
+        out.print("block table ('.' empty, '#' full, '\\' causal, '+' partial):", highlight=False)
+        out.print(table.render(), highlight=False, markup=False)
+        for name in ("forward", "backward"):
+            ph = plan.phase(name)
+            width = len(str(plan.world - 1))
+            out.print(f"{name} placement (rank per cell, '.' empty):", highlight=False)
+            for i in range(table.n):
+                out.print(" ".join("." * width if ph.assign[i * table.n + j] < 0
+                                   else str(ph.assign[i * table.n + j]).rjust(width) for j in range(table.n)),
+                          highlight=False)
+    else:
+        out.print(f"({table.n} x {table.n} cells: see the heatmap)")
+    if args.json:
+        planner.save_plan(plan, args.json)
+        err.print(f"wrote {args.json}")
+    if args.heatmap:
+        plot.heatmap(plan, args.heatmap)
+        err.print(f"wrote {args.heatmap}")
+    if args.timeline:
+        plot.timeline(plan, args.timeline)
+        err.print(f"wrote {args.timeline}")
+    return 0
