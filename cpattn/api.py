@@ -294,7 +294,7 @@ class ContextParallel:
         if self.schedule.planned:
             plan = self.plan(q, k)
             sizes = plan.sizes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
-                               torch.empty((), dtype=kernels.acc_dtype(q.dtype)).element_size())
+                               kernels.acc_bytes(q.dtype))
             return plan.volume(self.rank, sizes)
         return self.schedule.volume(self.problem(q, k), self.rank, self.topology)
 

@@ -1,4 +1,4 @@
-"""``cpattn bench``: time every schedule on N local processes against one process (bench.md).
+"""``cpattn bench``: time every schedule on N local processes against one process (docs/bench.md).
 
 One process runs the same attention on the whole sequence with all the cores the N ranks share; each
 schedule runs on an N-rank gloo world with cores / N threads per rank. Each configuration is checked

@@ -49,12 +49,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise ValueError(f"dtype {dtype} is not supported; accepted: {', '.join(DTYPES)}")
 
 
+def acc_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of the accumulators of inputs of ``dtype`` (:func:`acc_dtype`)."""
+    return torch.empty((), dtype=acc_dtype(dtype)).element_size()
+
+
 def element_bytes(name: str, accumulator: bool = False) -> int:
     """Bytes per element of dtype ``name`` (a :data:`DTYPES` key), or of its accumulators."""
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r} is unknown; accepted: {', '.join(DTYPES)}")
-    dt = acc_dtype(DTYPES[name]) if accumulator else DTYPES[name]
-    return torch.empty((), dtype=dt).element_size()
+    return acc_bytes(DTYPES[name]) if accumulator else torch.empty((), dtype=DTYPES[name]).element_size()
 
 
 def check_backend(backend: str) -> None:

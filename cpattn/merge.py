@@ -1,4 +1,4 @@
-"""Exact log-sum-exp combination of partial attention results (ringx.md, "Two exact merges").
+"""Exact log-sum-exp combination of partial attention results (docs/ringx.md).
 
 Shapes: ``out [b, s, h, d]`` and ``lse [b, h, s]``, both in the accumulation dtype (float32, or
 float64 for float64 inputs). A partial with ``lse = -inf`` (a row that saw no key) contributes

@@ -23,7 +23,7 @@ from .masks import BlockKind, CausalMask, FullMask, Mask, allowed_pairs, resolve
 #: bytes per element of q/k/v for each supported dtype name (from the one table, ``kernels.DTYPES``)
 DTYPE_BYTES = {name: element_bytes(name) for name in DTYPES}
 PHASES = ("forward", "backward")
-#: backward kernels do 2.5x the forward FLOPs (the convention bench.md uses)
+#: backward kernels do 2.5x the forward FLOPs (the convention docs/bench.md describes)
 BACKWARD_FLOP_RATIO = 2.5
 
 
@@ -55,7 +55,7 @@ def payload(op: str, nbytes: int, size: int, rank: int, root: int = 0) -> tuple[
 
 def attention_flops(batch: int, heads: int, head_dim: int, pairs: float, phase: str = "forward") -> float:
     """The one FLOP count: ``4 b h d`` per attending (query, key) pair forward, 2.5x that backward
-    (bench.md's convention); ``phase`` may be "forward+backward"."""
+    (docs/bench.md); ``phase`` may be "forward+backward"."""
     return 4.0 * batch * heads * head_dim * pairs * sum(_phase_factor(p) for p in split_phase(phase))
 
 

@@ -3,7 +3,7 @@
 The reference (:func:`reference`) is a plain ``softmax(q k^T * scale + mask) v`` with autograd on the
 whole sequence, written here from scratch: it shares no code with the schedules, the kernels or the
 merge. A distributed result passes when its relative error is at most ``2 * e_local + 1e-6``, where
-``e_local`` is the error of the single-device kernel in the same dtype (testing.md). Communication is
+``e_local`` is the error of the single-device kernel in the same dtype (docs/testing.md). Communication is
 checked too: the bytes and calls each rank counted must equal the schedule's analytic volume.
 
 :func:`rank_case` runs on every worker of a :class:`~cpattn.launcher.LocalWorld`; :func:`check`
@@ -397,7 +397,7 @@ def spec_report(cp, q: torch.Tensor, k: torch.Tensor, events: dict[str, list[dic
         if cp.schedule.planned:
             plan = cp.plan(q, k)
             sizes = plan.sizes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
-                               torch.empty((), dtype=kernels.acc_dtype(q.dtype)).element_size())
+                               kernels.acc_bytes(q.dtype))
             out[phase] = {**check_plan(plan, phase, evs, cp.rank, sizes), "expected": None}
             continue
         steps = cp.schedule.steps(cp.problem(q, k), phase, cp.topology)

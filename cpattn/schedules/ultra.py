@@ -162,7 +162,7 @@ class _Phase:
         self.dtype, self.acc = q.dtype, acc_dtype(q.dtype)
         self.device = q.device
         self.sizes = Sizes(self.batch, self.chunk, self.heads, self.kv_heads, self.head_dim, q.element_size(),
-                           torch.empty((), dtype=self.acc).element_size())
+                           kernels.acc_bytes(q.dtype))
         self.input_items = {n for n, it in ITEMS.items() if phase in it.phases and it.role == "input"}
         self.incoming = {(t.item, t.chunk): n for n, t in enumerate(self.ph.transfers)
                          if t.dst == self.rank and t.item in self.input_items}

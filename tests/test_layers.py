@@ -1,0 +1,114 @@
+"""One-way layering (docs/architecture.md): core -> schedules -> model (cost, planner) -> tools. The
+package's imports are read from its source, so an import inside a function counts too."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "cpattn"
+CORE = {"masks", "layout", "blocks", "kernels", "merge", "comm", "trace", "topology", "steps", "pairs"}
+LAYERS = {"core": 1, "schedules": 2, "model": 3, "tools": 4}
+
+
+def layer_of(module: str) -> int:
+    """The layer of a ``cpattn`` module name (``cpattn.cost.estimate`` -> 3)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return LAYERS["tools"]  # the package root re-exports the front door
+    top = parts[1]
+    if top in CORE:
+        return LAYERS["core"]
+    if top == "schedules":
+        return LAYERS["schedules"]
+    if top in ("cost", "planner"):
+        return LAYERS["model"]
+    return LAYERS["tools"]  # api, bench, verify, calibrate, cli, launcher, ...
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (PACKAGE.parent / rel).with_suffix(".py").exists() or (PACKAGE.parent / rel / "__init__.py").exists()
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every ``cpattn`` module that ``path`` imports, anywhere in the file."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "cpattn"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "cpattn":
+                continue
+            for alias in node.names:  # ``from . import kernels`` imports the module cpattn.kernels
+                sub = f"{target}.{alias.name}"
+                found.append((node.lineno, sub if _is_module(sub) else target))
+    return found
+
+
+def upward_imports() -> list[str]:
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        if module == "cpattn":
+            continue  # the root re-exports every layer; nothing below imports it (checked below)
+        for line, target in imports_of(path):
+            if layer_of(target) > layer_of(module):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {module} (layer {layer_of(module)}) "
+                           f"imports {target} (layer {layer_of(target)})")
+    return bad
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = upward_imports()
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):
+    """The reader finds relative, absolute and function-level imports, so it can fail."""
+    pkg = tmp_path / "cpattn"
+    (pkg / "schedules").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "api.py").write_text("")
+    (pkg / "cost").mkdir()
+    (pkg / "cost" / "__init__.py").write_text("")
+    (pkg / "schedules" / "__init__.py").write_text("")
+    (pkg / "schedules" / "bad.py").write_text("def f():\n    from ..cost import estimate\n    import cpattn.api\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    bad = upward_imports()
+    assert len(bad) == 2 and all("cpattn.schedules.bad (layer 2)" in b for b in bad), bad
+
+
+@pytest.mark.parametrize("module,layer", [("cpattn.comm", 1), ("cpattn.steps", 1), ("cpattn.schedules.ring", 2),
+                                          ("cpattn.cost.estimate", 3), ("cpattn.planner.build", 3),
+                                          ("cpattn.api", 4), ("cpattn.cli.plan", 4), ("cpattn", 4)])
+def test_layer_names(module, layer):
+    assert layer_of(module) == layer
+
+
+def test_import_cpattn_is_cheap():
+    """No OR-Tools, matplotlib or rich until a command or the planner's solver needs them."""
+    code = ("import sys, cpattn\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ortools', 'matplotlib', 'rich')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

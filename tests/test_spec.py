@@ -1,0 +1,133 @@
+"""Every registered schedule's run against its own description, ``steps()`` (``ultra``: its plan).
+
+With ``cpattn.trace.recording()`` the communicator records each call's issue and wait with its bytes,
+and the kernels each call; ``cpattn.verify`` compares that with the steps: the same messages (kind and
+bytes on every rank), issued in step order, and every transfer that a step declares in flight during
+its compute is issued before and waited after a kernel call on each rank that computes in the step.
+``verify.run`` does this for every case (with exactness and byte counts); here the matrix is every
+registered schedule x (causal, full, a block-sparse mask, as accepted) x P in {2, 3, 4}, and a ring
+that waits for each transfer before computing must fail it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cpattn import schedules, verify
+from cpattn.launcher import RankError
+from cpattn.steps import CommOp, Kernel, Step, work
+
+#: ultra plans with small solver budgets in tests (the plans are still exact)
+FAST_PLANS = {"plan_options": {"time_budget": 1.0, "partition_time_limit": 0.3, "schedule_time_limit": 0.3}}
+MASKS = ("causal", "full", "strided")
+
+
+def _cases() -> list[verify.Case]:
+    cases = []
+    for name in schedules.names():
+        options = FAST_PLANS if schedules.get(name).planned else None
+        for world in (2, 3, 4):
+            for case in verify.matrix([name], worlds=(world,), subgroup=False, masks=MASKS, dtypes=("bfloat16",),
+                                      heads=((12, 4),), seq=48, seed=500 + 10 * world):
+                cases.append(dataclasses.replace(case, head_dim=8, options=options))
+    return cases
+
+
+CASES = _cases()
+
+
+def test_every_registered_schedule_is_in_the_matrix():
+    for name in schedules.names():
+        worlds = {c.world for c in CASES if c.schedule == name}
+        assert worlds == {2, 3, 4}, (name, worlds)
+    assert {c.mask for c in CASES} == set(MASKS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])
+def test_run_matches_steps(worlds, case):
+    result = verify.run(worlds.get(case.world), case)
+    assert result.passed, result.describe()
+
+
+# ---------------------------------------------------------------------------------- a serialised ring
+def serialised_ring_case(**fields) -> dict:
+    """On every rank: ``verify.rank_case`` with the ring's forward changed to wait for each transfer
+    before computing (exact, same bytes, nothing overlapped)."""
+    from cpattn.schedules import ring as ring_mod
+    from cpattn.schedules.base import attend, new_accumulators
+
+    def serial_forward(rt, q, kv, ring, blocks_of):
+        comm, n, i = rt.comm, len(ring), ring.index(rt.rank)
+        out_acc, lse_acc = new_accumulators(q)
+        cur = kv
+        for t in range(n):
+            if t < n - 1:
+                nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
+                comm.send_recv([(cur, ring[(i + 1) % n])], [(nxt, ring[(i - 1) % n])], tag=ring_mod.TAG_KV).wait()
+            attend(rt, q, cur[0], cur[1], blocks_of(t), out_acc, lse_acc)
+            if t < n - 1:
+                cur = nxt
+        return out_acc, lse_acc
+
+    original = ring_mod.ring_forward
+    ring_mod.ring_forward = serial_forward
+    try:
+        return verify.rank_case(**fields)
+    finally:
+        ring_mod.ring_forward = original
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_serialised_ring_fails(worlds, world):
+    """Exact and with the right bytes, but its transfers are not in flight during compute: only the
+    comparison with steps() sees it."""
+    case = verify.Case("ring", world, "full", "float32", heads=4, kv_heads=2, head_dim=8, seq=48, seed=42)
+    per_rank = worlds.get(world).run(serialised_ring_case, name="serialised ring", **dataclasses.asdict(case))
+    assert not any(isinstance(r, RankError) for r in per_rank), per_rank
+    result = verify.check(case, per_rank)
+    assert not result.comm_mismatches and all(result.errors[q] <= result.tolerances[q] for q in verify.QUANTITIES)
+    assert not result.passed
+    assert any("in flight during a kernel call" in m for m in result.spec_mismatches), result.spec_mismatches
+    # the same case, unchanged, passes
+    assert verify.run(worlds.get(world), case).passed
+
+
+# ---------------------------------------------------------------------------------- the comparison itself
+K = Kernel("full", 4, 4, 16)
+STEPS = [Step(((work([(K, 1)]), 2),), (CommOp("sendrecv", 64),)), Step(((work([(K, 1)]), 2),))]
+
+
+def _events(*items) -> list[dict]:
+    """``("issue", call, op, sent, recv)``, ``("wait", call)`` or ``("compute",)`` as trace events."""
+    out = []
+    for it in items:
+        if it[0] == "issue":
+            out.append({"ev": "issue", "call": it[1], "op": it[2], "sent": it[3], "recv": it[4]})
+        elif it[0] == "wait":
+            out.append({"ev": "wait", "call": it[1]})
+        else:
+            out.append({"ev": "compute", "phase": "forward", "kind": "full", "q": 4, "kv": 4})
+    return out
+
+
+def test_check_steps_counts_overlap():
+    overlapped = _events(("issue", 0, "send", 64, 0), ("issue", 0, "recv", 0, 64), ("compute",), ("wait", 0),
+                         ("compute",))
+    rep = verify.check_steps(STEPS, overlapped, rank=0, world=2)
+    assert rep == {"problems": [], "overlapped": 1, "computes": 2}
+    assert verify.expected_overlap(STEPS) == (2, 4)  # one transfer per rank in flight; 2 kernels per rank
+    serial = _events(("issue", 0, "send", 64, 0), ("issue", 0, "recv", 0, 64), ("wait", 0), ("compute",),
+                     ("compute",))
+    assert verify.check_steps(STEPS, serial, rank=0, world=2)["overlapped"] == 0
+
+
+def test_check_steps_names_undeclared_missing_and_unwaited_messages():
+    wrong_size = _events(("issue", 0, "send", 32, 0), ("issue", 0, "recv", 0, 32), ("wait", 0))
+    problems = verify.check_steps(STEPS, wrong_size, rank=1, world=2)["problems"]
+    assert any("does not declare" in p for p in problems) and any("never ran" in p for p in problems)
+    unwaited = _events(("issue", 0, "send", 64, 0), ("issue", 0, "recv", 0, 64), ("compute",))
+    assert any("never waited" in p for p in verify.check_steps(STEPS, unwaited, rank=0, world=2)["problems"])
+    late = [Step((), (CommOp("broadcast", 8, root=0),)), Step((), (CommOp("all_reduce", 8),))]
+    swapped = _events(("issue", 0, "all_reduce", 8, 8), ("wait", 0), ("issue", 1, "broadcast", 0, 8), ("wait", 1))
+    assert any("after an op of step" in p for p in verify.check_steps(late, swapped, rank=1, world=2)["problems"])
