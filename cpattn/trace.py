@@ -3,7 +3,7 @@
 Inside ``with cpattn.trace.recording() as events:`` every communicator call and every local kernel
 call appends one event (a dict) to ``events``; outside it nothing is recorded and the cost is one
 ``None`` check. Tests compare a recording with the schedule's ``steps()`` (what it declares to send
-and to overlap; see ``cpattn.verify.check_spec``).
+and to overlap; see ``cpattn.verify.check_steps``).
 
 - ``issue``: ``call`` (one id per communicator call), ``op`` (the accounting kind: send, recv,
   broadcast, ...), ``sent``, ``recv`` (payload bytes, as ``Communicator.stats()`` counts them);

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from .output import stderr
 
-        stderr().print(f"[red]error:[/red] {escape(str(exc))}")
+        stderr().print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         return 2
 
 

@@ -44,7 +44,7 @@ def masks(text: str) -> list[str | dict]:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise argparse.ArgumentTypeError(f"--mask is not valid JSON: {exc}") from None
+            raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
         return value if isinstance(value, list) else [value]
     return [x for x in text.split(",") if x]
 
@@ -53,8 +53,8 @@ def mask(text: str) -> str | dict:
     """``--mask`` of a command that takes one mask: as :func:`masks`, exactly one name or spec."""
     specs = masks(text)
     if len(specs) != 1:
-        raise argparse.ArgumentTypeError(f"--mask {text!r}: this command takes one mask (a name or one JSON spec), "
-                                         f"got {len(specs)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: this command takes one mask (a name or one JSON spec), "
+                                         f"not {len(specs)}")
     return specs[0]
 
 
@@ -105,7 +105,7 @@ def topology(presets: bool = True) -> Callable[[str], TopologyArg]:
         if m:
             nodes, per_node = int(m.group(1)), int(m.group(2))
             if nodes < 1 or per_node < 1:
-                raise argparse.ArgumentTypeError(f"--topology {text!r}: nodes and devices must be at least 1")
+                raise argparse.ArgumentTypeError(f"{text!r}: nodes and devices must be at least 1")
             return TopologyArg(text, nodes=nodes, devices_per_node=per_node)
         if presets:
             from ..cost.presets import NAMES
@@ -113,9 +113,9 @@ def topology(presets: bool = True) -> Callable[[str], TopologyArg]:
             key = text.strip().lower().replace("_", "-")
             if key in NAMES:
                 return TopologyArg(text, preset=key)
-            raise argparse.ArgumentTypeError(f"--topology {text!r}: expected a preset ({', '.join(NAMES)}) or "
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a preset ({', '.join(NAMES)}) or "
                                              "NODESxDEVICES, e.g. 2x2")
-        raise argparse.ArgumentTypeError(f"--topology {text!r}: expected NODESxDEVICES, e.g. 2x2")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NODESxDEVICES, e.g. 2x2")
 
     parse.__name__ = "topology"
     return parse

@@ -36,28 +36,35 @@ def _matrix_mask(spec: str | dict):
     return kind, {k: v for k, v in spec.items() if k != "kind"} or None
 
 
-def run(args) -> int:
-    from rich.progress import Progress
-    from rich.table import Table
-
+def cases(args) -> list:
+    """The ``verify.Case`` list the arguments ask for (a ValueError for an unknown schedule, mask kind or
+    dtype), built before any process starts."""
     from .. import schedules as registry
     from .. import verify
-    from ..comm import POISON_ENV
-    from ..launcher import LocalWorld
 
     names = args.schedules or registry.names()
     unknown = [d for d in args.dtypes if d not in verify.DTYPES]
     if unknown:
         raise ValueError(f"--dtypes {','.join(unknown)}: accepted: {', '.join(verify.DTYPES)}")
-    cases = verify.matrix(names, worlds=tuple(args.world), subgroup=not args.no_subgroup and 4 in args.world,
-                          masks=tuple(_matrix_mask(m) for m in args.masks), dtypes=tuple(args.dtypes),
-                          seed=args.seed)
+    return verify.matrix(names, worlds=tuple(args.world), subgroup=not args.no_subgroup and 4 in args.world,
+                         masks=tuple(_matrix_mask(m) for m in args.masks), dtypes=tuple(args.dtypes), seed=args.seed)
+
+
+def run(args) -> int:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from .. import verify
+    from ..comm import POISON_ENV
+    from ..launcher import LocalWorld
+
+    todo = cases(args)
     worlds: dict[int, LocalWorld] = {}
     results = []
     try:
         with Progress(console=stderr(), transient=True) as progress:
-            task = progress.add_task("verify", total=len(cases))
-            for case in cases:
+            task = progress.add_task("verify", total=len(todo))
+            for case in todo:
                 progress.update(task, description=case.label)
                 w = worlds.get(case.world)
                 if w is None or not w.alive:

@@ -2,7 +2,7 @@
 
 ``get(name)`` returns a new schedule object with default options (``USP(ulysses_degree=2)`` and
 ``Ultra(options)`` take options directly); ``available()`` says what each supports. A new schedule is
-one file plus one line in :data:`_CLASSES` (see docs/architecture.md).
+one file plus one entry in the registration loop below (see docs/architecture.md).
 """
 
 from __future__ import annotations
