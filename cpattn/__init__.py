@@ -18,7 +18,7 @@ from .api import (
     zigzag_ring_attn_func,
 )
 from .comm import Communicator
-from .cost import Topology
+from .topology import Topology
 
 __version__ = "0.1.0"
 

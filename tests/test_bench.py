@@ -1,24 +1,93 @@
-"""`cpattn bench` end to end on tiny shapes: rows are checked for exactness, timed, and rendered."""
+"""`cpattn bench` end to end on tiny shapes: rows are checked for exactness, timed, and rendered; the
+rendered table and the JSON file say what the timings say."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 from cpattn import bench, cli
+
+
+def _columns(result: dict) -> dict[str, list[str]]:
+    """The rendered table of ``result`` as ``{header: cells}`` (rich's public column API)."""
+    return {col.header: [str(c) for c in col.cells] for col in bench.render(result).columns}
+
+
+def _synthetic(predicted: bool = False) -> dict:
+    """A bench result with chosen timings (no processes): three timed rows and one wrong row."""
+    cfg = bench.BenchConfig(world=4, seq=256, mask={"kind": "sliding_window", "window": 8})
+    rows = [bench.BenchRow("ring", fwd_s=0.1, fwd_bwd_s=0.4, tflops_per_rank=0.5, speedup=0.5, bytes_sent=3_000_000,
+                           bytes_recv=2_000_000, peak_mem_bytes=7_000_000, error=1.5e-7,
+                           extra={"work": {"imbalance": 1.75}}),
+            bench.BenchRow("zigzag_ring", fwd_s=0.05, fwd_bwd_s=0.2, tflops_per_rank=1.0, speedup=1.0,
+                           extra={"work": {"imbalance": 1.0}}),
+            bench.BenchRow("wrong_one", ok=False, note="WRONG: relative error 3.00e-01 vs one process"),
+            bench.BenchRow("allgather", fwd_s=0.2, fwd_bwd_s=0.8, tflops_per_rank=0.25, speedup=0.25)]
+    result = {"config": dataclasses.asdict(cfg), "rows": [dataclasses.asdict(r) for r in rows],
+              "baseline": {"fwd_s": 0.05, "fwd_bwd_s": 0.2},
+              "environment": {"cores": 2, "threads_per_rank": 1, "torch": "x", "backend": "gloo"}}
+    if predicted:
+        for row, (fwd, both) in zip(result["rows"], [(0.1, 0.5), (0.04, 0.1), (0, 0), (math.nan, math.nan)]):
+            if row["ok"]:
+                row["pred_fwd_s"], row["pred_fwd_bwd_s"] = fwd, both
+                row["pred_error"] = (both - row["fwd_bwd_s"]) / row["fwd_bwd_s"]
+        result["prediction"] = {"topology": "local", "rows": 2}
+    return result
+
+
+def test_render_shows_the_rows_and_the_ratios_of_their_timings():
+    cols = _columns(_synthetic())
+    assert cols["schedule"] == ["ring", "zigzag_ring", "wrong_one", "allgather"]
+    assert cols["fwd ms"] == ["100.0", "50.0", "[red]WRONG: relative error 3.00e-01 vs one process[/red]", "200.0"]
+    assert cols["fwd+bwd ms"] == ["400.0", "200.0", "", "800.0"]
+    # vs X = T(X) / T(row), forward + backward: 0.4 / 0.2, 0.2 / 0.8, ...
+    assert cols["vs ring"] == ["1.00x", "2.00x", "", "0.50x"]
+    assert cols["vs zigzag_ring"] == ["0.50x", "1.00x", "", "0.25x"]
+    assert cols["vs 1 proc"] == ["0.50x", "1.00x", "", "0.25x"]
+    assert cols["sent MB/rank"][0] == "3.0" and cols["recv MB/rank"][0] == "2.0" and cols["peak MB/rank"][0] == "7.0"
+    assert cols["layout work max/mean"] == ["1.75", "1.00", "", "-"]
+    assert cols["max rel err"][0] == "1.5e-07"
+    assert not any(h.startswith("pred") for h in cols)
+    table = bench.render(_synthetic())
+    assert "P=4" in table.title and '{"kind":"sliding_window","window":8}' in table.title
+
+
+def test_render_adds_the_predictions():
+    cols = _columns(_synthetic(predicted=True))
+    assert cols["pred fwd ms"] == ["100.0", "40.0", "", "-"]
+    assert cols["pred fwd+bwd ms"] == ["500.0", "100.0", "", "-"]
+    assert cols["pred err"] == ["+25%", "-50%", "", "not modelled"]  # (predicted - measured) / measured
+    # without ring among the timed rows, only the zigzag_ring ratio is shown
+    result = _synthetic()
+    result["rows"] = result["rows"][1:]
+    assert "vs ring" not in _columns(result) and "vs zigzag_ring" in _columns(result)
 
 
 def test_bench_runs_checks_and_renders(tmp_path):
     cfg = bench.BenchConfig(world=2, seq=128, heads=4, kv_heads=2, head_dim=16, warmup=0, iters=1)
     result = bench.run(cfg, ["ring", "zigzag_ring", "allgather"])
     rows = {r["schedule"]: r for r in result["rows"]}
+    assert list(rows) == ["ring", "zigzag_ring", "allgather"]
     assert all(r["ok"] for r in rows.values()), rows
+    base = result["baseline"]["fwd_bwd_s"]
     for r in rows.values():
         assert r["error"] < 1e-5 and r["fwd_bwd_s"] > 0 and r["bytes_sent"] > 0
+        assert math.isclose(r["speedup"], base / r["fwd_bwd_s"])
     assert rows["ring"]["extra"]["work"]["imbalance"] > rows["zigzag_ring"]["extra"]["work"]["imbalance"] == 1.0
-    bench.render(result)
+    cols = _columns(result)
+    assert cols["schedule"] == list(rows)
+    assert cols["vs ring"] == [f"{rows['ring']['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}x" for r in rows.values()]
+    assert cols["fwd+bwd ms"] == [f"{r['fwd_bwd_s'] * 1e3:.1f}" for r in rows.values()]
+    assert cols["sent MB/rank"] == [f"{r['bytes_sent'] / 1e6:.1f}" for r in rows.values()]
     path = tmp_path / "bench.json"
     bench.save_json(result, str(path))
-    assert json.loads(path.read_text())["config"]["seq"] == 128
+    saved = json.loads(path.read_text())
+    assert saved["config"] == json.loads(json.dumps(result["config"])) and saved["config"]["seq"] == 128
+    assert [(r["schedule"], r["fwd_bwd_s"], r["bytes_sent"]) for r in saved["rows"]] == \
+        [(r["schedule"], r["fwd_bwd_s"], r["bytes_sent"]) for r in rows.values()]
+    assert saved["baseline"] == result["baseline"]
 
 
 def test_bench_cli_with_mask_spec_topology_and_plot(tmp_path, capsys):
@@ -28,8 +97,11 @@ def test_bench_cli_with_mask_spec_topology_and_plot(tmp_path, capsys):
                    "--iters", "1", "--plot", str(tmp_path / "b.png"), "--json", str(tmp_path / "b.json")])
     assert rc == 0
     assert (tmp_path / "b.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["config"]["mask"] == json.loads(spec) and saved["config"]["topology"] == [1, 2]
+    assert [(r["schedule"], r["ok"]) for r in saved["rows"]] == [("ring", True), ("allgather", True)]
     out = capsys.readouterr().out
-    assert "sliding_window" in out and "vs ring" in out
+    assert "sliding_window" in out and "vs ring" in out and "allgather" in out
 
 
 def test_bench_rejects_bad_arguments_before_starting(capsys):

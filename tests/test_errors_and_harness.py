@@ -90,7 +90,44 @@ def test_world_size_one_without_torch_distributed():
     ref = torch.nn.functional.scaled_dot_product_attention(*(q.transpose(1, 2),) * 3, is_causal=True)
     assert torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
     assert cp.schedule_name == "zigzag_ring"
-    assert cpattn.ContextParallel(32, "full").schedule_name == "ring"
+
+
+def auto_choice(seq: int, mask) -> str:
+    """Runs on the worker ranks: the schedule that schedule="auto" (the default) takes there."""
+    import cpattn
+
+    return cpattn.ContextParallel(seq, mask).schedule_name
+
+
+def _fastest(name: str, seq: int, world: int, mask) -> None:
+    """``name`` runs ``mask`` and its estimate is the lowest in ``cost.rank_schedules`` for the problem
+    schedule="auto" estimates (the model has ties, e.g. every schedule at P = 1: any of the tied is right)."""
+    import torch
+
+    import cpattn
+    from cpattn.api import AUTO_SHAPE, _local_topology
+    from cpattn.cost import Estimate, Problem, rank_schedules
+
+    problem = Problem(seq, world, cpattn.masks.resolve(mask), dtype="bfloat16" if torch.cuda.is_available() else
+                      "float32", **AUTO_SHAPE)
+    ranked = dict(rank_schedules(problem, _local_topology(world, "test")))
+    best = min(e.total for e in ranked.values() if isinstance(e, Estimate))
+    assert isinstance(ranked.get(name), Estimate), (mask, world, name, ranked.get(name))
+    assert ranked[name].total <= best * (1 + 1e-9), (mask, world, name, ranked[name].total, best)
+    cpattn.schedules.get(name).check_mask(problem.mask)
+
+
+def test_auto_picks_a_fastest_estimate_for_the_problem(worlds):
+    """schedule="auto" takes a schedule whose estimate is the lowest for the same problem (no fixed name):
+    in this process (P = 1, where every schedule that runs the mask ties) and on 4 ranks (where they differ)."""
+    import cpattn
+
+    for mask in ("full", "causal", {"kind": "sliding_window", "window": 5, "causal": False}):
+        _fastest(cpattn.ContextParallel(32, mask).schedule_name, 32, 1, mask)
+    for mask in ("full", "causal"):
+        names = worlds.get(4).run(auto_choice, timeout=60, seq=1024, mask=mask)
+        assert len(set(names)) == 1, names  # every rank chooses alike, without communicating
+        _fastest(names[0], 1024, 4, mask)
 
 
 @pytest.mark.parametrize("owner", [0, 2])

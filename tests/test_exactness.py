@@ -1,24 +1,88 @@
-"""The core exactness matrix: every baseline schedule against the float64 reference, forward and
-backward, with communication counts equal to each schedule's formula."""
+"""The core exactness matrix, driven by the schedule registry: every registered schedule against the
+float64 reference, forward and backward, with communication equal to its steps.
+
+The baselines run the full matrix (world sizes 1-4 and a subgroup of a 4-rank world; causal and full;
+MHA and GQA 8:2; float32 and bfloat16). Every other registered schedule (today the RingX variants,
+Ulysses, USP and ``ultra``; a newly registered one joins with no edit here) runs a slice: one float32
+GQA case per place (world sizes 1-4 and the subgroup), the masks it accepts among causal and full
+taken in turn, plus one bfloat16 MHA case at P=3. Per-family files add what is particular to each
+(masks, topologies, padding, defects)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from cpattn import verify
+from cpattn import schedules, verify
 
 BASELINES = ["ring", "zigzag_ring", "stripe_ring", "allgather"]
-CASES = verify.matrix(BASELINES)
+#: world sizes of the matrix, and the subgroup (global ranks 1 and 3 of a 4-rank world)
+WORLDS = (1, 2, 3, 4)
+SUBGROUP = (1, 3)
+#: planned schedules solve with small budgets here (their plans stay exact, only less tuned)
+PLAN_OPTIONS = {"plan_options": {"time_budget": 1.0, "partition_time_limit": 0.3, "schedule_time_limit": 0.3}}
+#: head counts tried in order for a slice case; the first the schedule accepts at that size is used
+#: (e.g. Ulysses cannot split 8 query heads over 3 ranks)
+GQA = ((8, 2), (6, 3), (12, 4))
+MHA = ((4, 4), (6, 6), (12, 12))
 
 
-def test_matrix_covers_the_issue():
-    """World sizes 1-4 and a subgroup; causal and full; MHA and GQA 8:2; float32 and bfloat16."""
-    assert {c.world for c in CASES} == {1, 2, 3, 4}
-    assert any(c.group == (1, 3) for c in CASES)
-    assert {c.mask for c in CASES} == {"causal", "full"}
-    assert {(c.heads, c.kv_heads) for c in CASES} == {(4, 4), (8, 2)}
-    assert {c.dtype for c in CASES} == {"float32", "bfloat16"}
-    assert {c.schedule for c in CASES} == set(BASELINES)
+def _with_options(case: verify.Case) -> verify.Case:
+    if schedules.get(case.schedule).planned:
+        return dataclasses.replace(case, options=PLAN_OPTIONS)
+    return case
+
+
+def _first(name: str, world: int, group: tuple[int, ...] | None, mask: str, dtype: str,
+           heads: tuple[tuple[int, int], ...], seed: int) -> list[verify.Case]:
+    """The first case of ``verify.matrix`` for one place, mask and dtype (none if all are rejected)."""
+    places = {"worlds": (world,), "subgroup": False} if group is None else {"worlds": (), "subgroup": True}
+    found = [c for c in verify.matrix([name], masks=(mask,), dtypes=(dtype,), heads=heads, seed=seed, **places)
+             if c.group == group]
+    return found[:1]
+
+
+def _slice(name: str, seed: int) -> list[verify.Case]:
+    accepted = [m for m in ("causal", "full") if verify.matrix([name], worlds=(2,), subgroup=False, masks=(m,),
+                                                               dtypes=("float32",), heads=GQA)]
+    if not accepted:
+        return []
+    places = [(w, None) for w in WORLDS] + [(4, SUBGROUP)]
+    cases = []
+    for i, (world, group) in enumerate(places):
+        cases += _first(name, world, group, accepted[i % len(accepted)], "float32", GQA, seed + i)
+    cases += _first(name, 3, None, accepted[-1], "bfloat16", MHA, seed + len(places))
+    return cases
+
+
+def _cases() -> list[verify.Case]:
+    cases = verify.matrix(BASELINES)
+    for i, name in enumerate(schedules.names()):
+        if name not in BASELINES:
+            cases += _slice(name, seed=1000 + 10 * i)
+    return [_with_options(c) for c in cases]
+
+
+CASES = _cases()
+
+
+def test_matrix_covers_every_registered_schedule():
+    """verify.matrix leaves out what a schedule rejects, so a schedule could silently drop out of a
+    world size: each registered one must have a case at every world size and on the subgroup, with each
+    of causal and full it accepts; the baselines the whole product."""
+    for name in schedules.names():
+        mine = [c for c in CASES if c.schedule == name]
+        assert {c.world for c in mine if c.group is None} == set(WORLDS), name
+        assert any(c.group == SUBGROUP for c in mine), name
+        sched = schedules.get(name)
+        assert {c.mask for c in mine} == {m for m, ok in (("causal", sched.causal), ("full", sched.bidirectional))
+                                          if ok}, name
+        assert {c.dtype for c in mine} == {"float32", "bfloat16"}, name
+    for name in BASELINES:
+        mine = {(c.world, c.group, c.mask, c.dtype, c.heads, c.kv_heads) for c in CASES if c.schedule == name}
+        assert len(mine) == 5 * 2 * 2 * 2, name
+    assert all(c.options for c in CASES if schedules.get(c.schedule).planned)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])

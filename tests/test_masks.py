@@ -4,6 +4,7 @@ claims (forward and backward against float64, communication equal to its formula
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -14,8 +15,9 @@ from hypothesis import strategies as st
 from cpattn import blocks, layout, masks, schedules, verify
 from cpattn.masks import BlockKind, _kind_of_dense
 
-KINDS = ["causal", "full", "sliding_window", "document", "strided", "global_local", "star", "streaming",
-         "block_table"]
+#: combinations of masks (their spec lists the masks they combine); every other kind is a simple mask
+COMPOSITES = ("and", "or")
+KINDS = [k for k in masks.KINDS if k not in COMPOSITES]
 
 
 # ------------------------------------------------------------------ mask strategies (JSON specs)
@@ -237,17 +239,47 @@ def test_balanced_layout_is_zigzag_for_causal_and_balances_documents():
 
 
 # ------------------------------------------------------------------ every schedule, every mask it claims
+def _takes_causal_flag(kind: str) -> bool:
+    """Whether mask kind ``kind`` has a bidirectional form (its spec takes ``causal: false``)."""
+    if kind in COMPOSITES:
+        return True  # through the masks it combines
+    try:
+        return not masks.from_spec({"kind": kind, **(verify.example_mask_args(kind, SEQ) or {}),
+                                    "causal": False}).is_causal
+    except ValueError:
+        return False
+
+
+def _spec(kind: str, seq: int, bidirectional: bool = False) -> tuple[str, dict | None]:
+    """``(kind, args)`` of an interesting mask of ``kind`` at length ``seq``; its bidirectional form when
+    asked (the kinds that take a ``causal`` flag; a combination of bidirectional masks)."""
+    if kind in COMPOSITES:
+        parts = [{"kind": "document", "lengths": [13, 1, 20, seq - 34]}, {"kind": "sliding_window", "window": 6}]
+        return kind, {"masks": [{**m, "causal": False} if bidirectional else m for m in parts]}
+    args = verify.example_mask_args(kind, seq)
+    return kind, ({**(args or {}), "causal": False} if bidirectional else args)
+
+
+BIDIRECTIONAL_KINDS = [k for k in KINDS if _takes_causal_flag(k)]
+
+
 def _mask_cases() -> list[verify.Case]:
-    kinds = [*KINDS, ("and", {"masks": [{"kind": "document", "lengths": [13, 1, 20, 14]},
-                                        {"kind": "sliding_window", "window": 6}]})]
+    kinds = [_spec(k, 48) for k in masks.KINDS] + [_spec(k, 48, bidirectional=True) for k in BIDIRECTIONAL_KINDS]
     names = [n for n in schedules.names() if n not in ("ulysses", "usp")]  # in test_ulysses_usp.py
     cases = verify.matrix(names, worlds=(2, 3), subgroup=False, masks=tuple(kinds), dtypes=("float32",),
                           heads=((4, 2),), seed=1000)
-    # causal and full on the other schedules are test_exactness.py's and test_ringx.py's
+    # causal and full on the other schedules are test_exactness.py's
     return [c for c in cases if c.schedule == "ring" or c.mask not in ("causal", "full")]
 
 
 MASK_CASES = _mask_cases()
+
+
+def _bidirectional(case: verify.Case) -> bool:
+    """Whether ``case`` runs the full mask or a bidirectional form (a combination: of bidirectional masks)."""
+    args = case.mask_args or {}
+    return case.mask == "full" or args.get("causal") is False or (
+        bool(args.get("masks")) and all(m.get("causal") is False for m in args["masks"]))
 
 
 @pytest.mark.parametrize("case", MASK_CASES, ids=[c.label for c in MASK_CASES])
@@ -258,9 +290,63 @@ def test_schedule_is_exact_under_mask(worlds, case):
 
 def test_mask_matrix_covers_every_claiming_schedule():
     claimed = {c.schedule for c in MASK_CASES}
-    assert {"ring", "zigzag_ring", "allgather"} <= claimed
-    assert {c.mask for c in MASK_CASES if c.schedule == "ring"} == {*KINDS, "and"}
+    assert {"ring", "zigzag_ring", "allgather", "ringx1", "ringx1o", "ringx3b", "ultra"} <= claimed
+    assert {c.mask for c in MASK_CASES if c.schedule == "ring"} == set(masks.KINDS)
     assert not any(c.schedule == "stripe_ring" for c in MASK_CASES)  # causal and full only
+    assert set(BIDIRECTIONAL_KINDS) == {"sliding_window", "document", "strided"}
+    # the bidirectional forms run on every schedule that accepts them, at both world sizes: the
+    # bidirectional-only RingX variants (which reject the causal forms) as much as the others
+    for name in ("ring", "zigzag_ring", "allgather", "ringx1", "ringx1o", "ringx3b", "ultra"):
+        got = {(c.mask, c.world) for c in MASK_CASES if c.schedule == name and _bidirectional(c)}
+        assert {(k, w) for k in BIDIRECTIONAL_KINDS for w in (2, 3)} <= got, name
+
+
+# ------------------------------------------------------------------ every mask kind at P = 4, one schedule per family
+#: one schedule of each family runs every mask kind at P = 4, in the form it accepts (the causal one when
+#: it can, else the bidirectional one); the causal-only RingX variants accept only the causal mask, which
+#: test_exactness.py runs at P = 4, as it runs causal and full there on the baselines (ring, allgather)
+FAMILIES = {"ring": "ring", "all-gather": "allgather", "RingX bidirectional": "ringx1o", "head-parallel": "ulysses",
+            "planned": "ultra"}
+PLAN_OPTIONS = {"plan_options": {"time_budget": 1.0, "partition_time_limit": 0.3, "schedule_time_limit": 0.3}}
+
+
+def _family_cases() -> list[verify.Case]:
+    cases = []
+    for f, name in enumerate(FAMILIES.values()):
+        for i, kind in enumerate(masks.KINDS):
+            if kind in ("causal", "full") and name in ("ring", "allgather"):
+                continue  # test_exactness.py's full matrix
+            forms = [_spec(kind, 48)] + ([_spec(kind, 48, bidirectional=True)] if _takes_causal_flag(kind) else [])
+            for form in forms:
+                found = verify.matrix([name], worlds=(4,), subgroup=False, masks=(form,), dtypes=("float32",),
+                                      heads=((8, 2),), seed=4000 + 20 * f + i)
+                if found:
+                    opts = PLAN_OPTIONS if schedules.get(name).planned else None
+                    cases.append(dataclasses.replace(found[0], options=opts))
+                    break
+    return cases
+
+
+FAMILY_CASES = _family_cases()
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=[c.label for c in FAMILY_CASES])
+def test_every_mask_kind_at_four_ranks(worlds, case):
+    result = verify.run(worlds.get(case.world), case)
+    assert result.passed, result.describe()
+
+
+def test_family_cases_cover_every_mask_kind():
+    for name in FAMILIES.values():
+        got = {c.mask for c in FAMILY_CASES if c.schedule == name}
+        if name == "ringx1o":  # bidirectional-only: the kinds with a bidirectional form, full, global_local
+            assert got == {"full", "global_local", *BIDIRECTIONAL_KINDS, *COMPOSITES}
+            assert all(_bidirectional(c) or c.mask == "global_local" for c in FAMILY_CASES if c.schedule == name)
+        elif name in ("ring", "allgather"):
+            assert got == set(masks.KINDS) - {"causal", "full"}, name
+        else:
+            assert got == set(masks.KINDS), name
+    assert {c.world for c in FAMILY_CASES} == {4}
 
 
 DOC_SCHEDULES = ["ring", "zigzag_ring", "allgather"]
