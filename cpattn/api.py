@@ -292,11 +292,13 @@ class ContextParallel:
         """What ``comm_stats()`` must count on this rank for one forward and one backward with local
         ``q``, ``k``, per phase: the schedule's volume (from its steps), or its plan's."""
         if self.schedule.planned:
-            plan = self.plan(q, k)
-            sizes = plan.sizes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
-                               kernels.acc_bytes(q.dtype))
-            return plan.volume(self.rank, sizes)
+            return self.plan(q, k).volume(self.rank, self.plan_sizes(q, k))
         return self.schedule.volume(self.problem(q, k), self.rank, self.topology)
+
+    def plan_sizes(self, q: torch.Tensor, k: torch.Tensor):
+        """The message sizes (``cpattn.schedules.ultra.Sizes``) of this call's plan, for local ``q``, ``k``."""
+        return self.plan(q, k).sizes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
+                                     kernels.acc_bytes(q.dtype))
 
     # ------------------------------------------------------------------ accounting
     def comm_stats(self) -> dict[str, dict[str, int]]:

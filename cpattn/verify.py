@@ -395,10 +395,7 @@ def spec_report(cp, q: torch.Tensor, k: torch.Tensor, events: dict[str, list[dic
     out = {}
     for phase, evs in events.items():
         if cp.schedule.planned:
-            plan = cp.plan(q, k)
-            sizes = plan.sizes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
-                               kernels.acc_bytes(q.dtype))
-            out[phase] = {**check_plan(plan, phase, evs, cp.rank, sizes), "expected": None}
+            out[phase] = {**check_plan(cp.plan(q, k), phase, evs, cp.rank, cp.plan_sizes(q, k)), "expected": None}
             continue
         steps = cp.schedule.steps(cp.problem(q, k), phase, cp.topology)
         rep = check_steps(steps, evs, cp.rank, cp.world_size, cp.topology)
