@@ -19,10 +19,10 @@ from .api import (
 )
 from .comm import Communicator
 from .topology import Topology
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
+    "__version__",
     "Communicator",
     "ContextParallel",
     "Topology",

@@ -13,17 +13,20 @@ import json
 import logging
 import math
 
+import psutil
 import torch
 import torch.distributed as dist
 
-from . import cost, kernels, planner, schedules
+from . import agree, cost, kernels, planner, schedules
 from . import layout as layout_mod
-from .comm import Communicator
+from .comm import Communicator, DeviceMesh
+from .cost.estimate import plan_estimate
 from .cost.profile import ProfileError
 from .masks import Mask, causal, full, resolve, sliding_window
 from .schedules.base import Attention, BoundedCache, Runtime, Schedule
 from .steps import Problem
 from .topology import Topology
+from .version import __version__
 
 log = logging.getLogger(__name__)
 #: plans a ContextParallel keeps (one per q/k shape and dtype it has run)
@@ -64,6 +67,25 @@ def _local_topology(world: int, who: str) -> Topology:
         return cost.presets.local(world)
 
 
+def _dist_backend(comm: Communicator) -> str:
+    return "none" if comm.group is None else str(dist.get_backend(comm.group))
+
+
+def _exchange_device(comm: Communicator) -> torch.device:
+    """Where the small setup tensors live: NCCL moves GPU tensors only."""
+    if "nccl" in _dist_backend(comm) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _mask_text(mask: Mask) -> str:
+    """A mask as text: its JSON spec, or its repr when it has none (``from_mask_mod`` masks)."""
+    try:
+        return json.dumps(mask.spec(), sort_keys=True)
+    except TypeError:
+        return repr(mask)
+
+
 def _broadcast_text(comm: Communicator, text: str | None, device: torch.device) -> str:
     """Group rank 0's ``text`` on every rank (its length, then its UTF-8 bytes, as tensors on ``device``:
     NCCL only moves GPU tensors)."""
@@ -97,16 +119,46 @@ class ContextParallel:
     """
 
     def __init__(self, seq_len: int, mask: Mask | str | dict = "causal", schedule: str | Schedule = "auto",
-                 group: dist.ProcessGroup | None = None, topology: Topology | None = None,
-                 backend: str = "auto", layout: str | layout_mod.Layout | None = None) -> None:
+                 group: dist.ProcessGroup | DeviceMesh | None = None, topology: Topology | None = None,
+                 backend: str = "auto", layout: str | layout_mod.Layout | None = None, check: str = "first",
+                 memory_limit: int | None = None) -> None:
+        self.comm = Communicator(group)
+        self._setup = self.comm.view(record=False)  # agreement, planning and unshard traffic is not attention's
+        self._exchange_device = _exchange_device(self.comm)
+        error, self._fingerprint = None, {}
+        try:
+            self._configure(seq_len, mask, schedule, topology, backend, layout, check, memory_limit)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            error = exc
+        if check != "off" or error is not None:  # "off" trusts the caller: no exchange at all
+            agree.agree(self._setup, "ContextParallel", self._construction_fields(seq_len, schedule, group),
+                        error, self._exchange_device)
+        if self.schedule.hierarchical:  # rail and node groups now (collectively), never at run time
+            self.comm.setup_levels(self.topology)
+        self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
+                                topology=self.topology, valid_len=seq_len)
+        self._plans = BoundedCache(PLANS_KEPT)
+        self._checked: set = set()  # call signatures already agreed on (check="first")
+
+    def _configure(self, seq_len, mask, schedule, topology, backend, layout, check, memory_limit) -> None:
+        """Check every argument and derive the layout, on this rank only (no communication)."""
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+        self.check = agree.check_mode(check)
+        if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)
+                                         or memory_limit < 1):
+            raise ValueError(f"memory_limit must be a positive int (bytes) or None, got {memory_limit!r}")
+        self.memory_limit = memory_limit
         self.mask = resolve(mask)
         kernels.check_backend(backend)
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a cpattn.cost.Topology or None, got {type(topology).__name__}")
-        self.comm = Communicator(group)
-        self._gather_comm = Communicator(group, record=False)  # unshard traffic is not attention traffic
+        mesh_shape = self.comm.levels_shape
+        if topology is None and mesh_shape is not None:  # a 2-D mesh: its shape is the topology
+            topology = Topology(*mesh_shape)
+        if mesh_shape is not None and (topology.nodes, topology.devices_per_node) != mesh_shape:
+            raise ValueError(f"the device mesh is {mesh_shape[0]} x {mesh_shape[1]} (inter-node x intra-node) but "
+                             f"the topology is {topology.nodes} x {topology.devices_per_node}")
         if topology is not None and topology.world != self.comm.world_size:
             raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
                              f"but the group has {self.comm.world_size}")
@@ -121,10 +173,26 @@ class ContextParallel:
         self.layout, self.padded_len = self._choose_layout(layout, seq_len)
         self.seq_len = seq_len
         self.backend = backend
-        self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
-                                topology=topology, valid_len=seq_len)
-        self._plans = BoundedCache(PLANS_KEPT)
 
+    def _construction_fields(self, seq_len, schedule, group) -> dict[str, str]:
+        """The fingerprint every rank must share (what this rank could derive before any error)."""
+        def get(name, describe=str):
+            value = getattr(self, name, None)
+            return "?" if value is None else describe(value)
+
+        topo = getattr(self, "topology", None)
+        return {
+            "seq_len": repr(seq_len),
+            "mask": get("mask", _mask_text),
+            "schedule": get("schedule", lambda s: s.spec()) if hasattr(self, "schedule") else repr(schedule),
+            "layout": get("layout", lambda lay: lay.name),
+            "padded_len": get("padded_len"),
+            "topology": "None" if topo is None else f"{topo.name} {topo.nodes}x{topo.devices_per_node}",
+            "backend": get("backend"),
+            "check": get("check"),
+            "process group": f"{self.comm.world_size} ranks, {_dist_backend(self.comm)}",
+            "cpattn version": __version__,
+        }
     def _choose_layout(self, layout, seq_len: int) -> tuple[layout_mod.Layout, int]:
         """The layout and the padded length it splits."""
         world, sched = self.comm.world_size, self.schedule
@@ -199,7 +267,7 @@ class ContextParallel:
             raise ValueError(f"unshard: tensor has {x.shape[dim]} tokens at dim {dim}, expected {self.local_len}")
         moved = x.movedim(dim, 0).contiguous()
         gathered = torch.empty((self.world_size, *moved.shape), dtype=x.dtype, device=x.device)
-        self._gather_comm.all_gather(gathered, moved)
+        self._setup.all_gather(gathered, moved)
         parts = [gathered[r].movedim(0, dim) for r in range(self.world_size)]
         return layout_mod.assemble(parts, self.layout, dim).narrow(dim, 0, self.seq_len)
 
@@ -244,11 +312,103 @@ class ContextParallel:
                   return_lse: bool = False):
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` in this schedule's layout -> local ``out``
         (and ``lse [b, h, s]`` float32 with ``return_lse``). Differentiable in q, k, v."""
-        scale = self._validate(q, k, v, softmax_scale)
+        key = agree.signature_key(q, k, v, softmax_scale)
+        if self.check == "always" or (self.check == "first" and key not in self._checked):
+            scale = self._agree_on_call(q, k, v, softmax_scale)
+            self._checked.add(key)
+        else:
+            scale = self._validate(q, k, v, softmax_scale)
         plan = self.plan(q, k) if self.schedule.planned else None
         rt = dataclasses.replace(self._runtime, scale=scale, plan=plan)
         out, lse = Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.schedule, rt)
         return (out, lse) if return_lse else out
+
+    def _agree_on_call(self, q, k, v, softmax_scale) -> float:
+        """:meth:`_validate` and the memory pre-check on this rank, then one exchange so that every rank
+        raises the same error when any rank's call is invalid or differs from the others'."""
+        error, scale = None, None
+        try:
+            scale = self._validate(q, k, v, softmax_scale)
+            if not self.schedule.planned:
+                self.check_memory(q, k, v)
+        except (ValueError, TypeError, NotImplementedError, MemoryError) as exc:
+            error = exc
+        agree.agree(self._setup, "ContextParallel.attention", agree.signature(q, k, v, softmax_scale), error,
+                    self._exchange_device)
+        if self.schedule.planned:  # its model is its plan, built (collectively) for this signature
+            error = None
+            try:
+                self.check_memory(q, k, v)
+            except MemoryError as exc:
+                error = exc
+            agree.agree(self._setup, "ContextParallel.attention", {}, error, self._exchange_device)
+        return scale
+
+    # ------------------------------------------------------------------ memory
+    def available_memory(self, device: torch.device) -> tuple[int, str]:
+        """Bytes this rank can still allocate on ``device`` and where the figure comes from:
+        ``memory_limit`` when given, else the device's free memory (CUDA: free plus what torch's
+        allocator holds unused), else the host's available memory."""
+        if self.memory_limit is not None:
+            return self.memory_limit, "memory_limit"
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), f"{device} free"
+        return psutil.virtual_memory().available, "host memory available"
+
+    def peak_memory(self, q: torch.Tensor, k: torch.Tensor, schedule: Schedule | None = None) -> int:
+        """The model's peak bytes per rank (``cpattn.cost``) of one call with local ``q``, ``k`` on
+        ``schedule`` (default: this one): inputs, outputs and the schedule's largest live buffers;
+        forward only when no input requires grad."""
+        sched = schedule or self.schedule
+        phase = "forward+backward" if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad) \
+            else "forward"
+        problem = self.problem(q, k)
+        if sched.planned:
+            if sched != self.schedule:
+                raise ValueError("peak_memory: planned schedules other than this one are not estimated")
+            return plan_estimate(self.plan(q, k), problem, phase, sched.name).peak_memory
+        topology = self.topology or Topology(1, self.world_size)
+        return cost.estimate(sched, problem, topology, phase).peak_memory
+
+    def check_memory(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise ``MemoryError`` when the call's peak (:meth:`peak_memory`, less q, k, v already held)
+        exceeds :meth:`available_memory`, naming both figures and the leanest schedule that fits."""
+        held = sum(t.numel() * t.element_size() for t in (q, k, v))
+        need = self.peak_memory(q, k) - held
+        have, source = self.available_memory(q.device)
+        if need <= have:
+            return
+        lean = self._leanest(q, k)
+        gib = 2 ** 30
+        if lean is None:
+            advice = "no other schedule for this mask is estimated to need less"
+        else:
+            name, peak = lean
+            fits = "fits" if peak - held <= have else "does not fit either"
+            advice = (f"the leanest schedule for mask {self.mask.name!r} is {name!r} ({(peak - held) / gib:.2f} "
+                      f"GiB, {fits})")
+        raise MemoryError(f"schedule {self.schedule.name!r} needs about {need / gib:.2f} GiB per rank for this call "
+                          f"(model peak less the q, k, v already held) but {have / gib:.2f} GiB is available "
+                          f"({source}); {advice}. Reduce the batch or sequence, or choose a leaner schedule")
+
+    def _leanest(self, q: torch.Tensor, k: torch.Tensor) -> tuple[str, int] | None:
+        """The registered schedule (not planned) with the smallest peak for this call's problem, when
+        it is smaller than this schedule's."""
+        problem, best = self.problem(q, k), None
+        for name in schedules.names():
+            sched = schedules.get(name)
+            if sched.planned or sched == self.schedule:
+                continue
+            try:
+                cost.check_supports(sched, problem)
+                peak = self.peak_memory(q, k, sched)
+            except (ValueError, TypeError, NotImplementedError):
+                continue
+            if best is None or peak < best[1]:
+                best = (name, peak)
+        mine = self.peak_memory(q, k)
+        return best if best is not None and best[1] < mine else None
 
     # ------------------------------------------------------------------ plans (planned schedules)
     def _plan_request(self, q: torch.Tensor, k: torch.Tensor):
@@ -271,7 +431,7 @@ class ContextParallel:
     def _distribute_plan(self, q: torch.Tensor, k: torch.Tensor):
         if self.world_size == 1:
             return planner.get_plan(self._plan_request(q, k))
-        setup = Communicator(self.comm.group, record=False)  # planning traffic is not attention traffic
+        setup = self._setup  # planning traffic is not attention traffic
         text = None
         if setup.rank == 0:
             try:
@@ -302,8 +462,15 @@ class ContextParallel:
 
     # ------------------------------------------------------------------ accounting
     def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Bytes sent/received and calls per op kind on this rank, since creation or the last reset."""
-        return self.comm.stats()
+        """Bytes sent/received and calls per op kind on this rank, since creation or the last reset
+        (attention traffic only). When hierarchical collectives ran, ``"levels"`` gives the totals each
+        level carried (``inter_node``: the rails across nodes; ``intra_node``), which add up to what
+        their collectives count."""
+        stats = self.comm.stats()
+        levels = self.comm.level_stats()
+        if levels:
+            stats["levels"] = levels
+        return stats
 
     def reset_comm_stats(self) -> None:
         self.comm.reset_stats()

@@ -21,7 +21,7 @@ A hierarchical all_gather / reduce_scatter (:meth:`Communicator.hierarchical_all
 *one* call of its op kind with the flat payload, (P-1) n: that is exactly what the rank sends and
 receives over its two levels ((N-1) n across nodes plus (D-1) N n inside the node, for N nodes of D
 devices), so a schedule's volume does not depend on the topology. Each level is also counted in the
-stats of its own sub-communicator (:meth:`Communicator.hierarchy`).
+stats of its own sub-communicator (:meth:`Communicator.level_stats`).
 
 With ``cpattn.trace.recording()`` active, every call is also recorded (issue and wait), for the
 tests that compare a schedule's run with its ``steps()``.
@@ -29,6 +29,7 @@ tests that compare a schedule's run with its ``steps()``.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections import defaultdict
 from collections.abc import Sequence
@@ -39,6 +40,11 @@ import torch.distributed as dist
 from . import trace
 from .steps import payload
 from .topology import Topology
+
+try:  # torch >= 2.2
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # pragma: no cover
+    DeviceMesh = None
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch >= 2.7 names the flat collectives *_single; older releases only have *_tensor
@@ -82,6 +88,14 @@ class _Then:
 _HIERARCHY: dict[tuple[tuple[int, ...], int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
+#: names of the two levels of a hierarchical collective, rail first (``Communicator.level_stats``)
+LEVELS = ("inter_node", "intra_node")
+
+
+def _two_level(topology: Topology | None, world: int) -> bool:
+    return topology is not None and topology.nodes > 1 and topology.devices_per_node > 1 and world > 1
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -108,8 +122,14 @@ class Communicator:
     hierarchical collective, which is recorded as one call).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, record: bool = True) -> None:
+    def __init__(self, group: dist.ProcessGroup | DeviceMesh | None = None, record: bool = True) -> None:
         self.record = record
+        #: (rail, node) process groups of a 2-D mesh, or of a topology (see :meth:`setup_levels`)
+        self._levels: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        self._levels_shape: tuple[int, int] | None = None
+        self._subs: tuple[Communicator, Communicator] | None = None
+        if DeviceMesh is not None and isinstance(group, DeviceMesh):
+            group = self._from_mesh(group)
         if not dist.is_available() or not dist.is_initialized():
             if group is not None:
                 raise ValueError("group was given but torch.distributed is not initialised")
@@ -124,9 +144,37 @@ class Communicator:
             self.world_size = dist.get_world_size(self.group)
             self._global_ranks = dist.get_process_group_ranks(self.group)
         self._stats: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
-        self._subs: dict[tuple, tuple[Communicator, Communicator]] = {}  # see hierarchy()
+
+    def _from_mesh(self, mesh: DeviceMesh) -> dist.ProcessGroup:
+        """The flat group of a 1-D or 2-D device mesh; a 2-D mesh (inter-node dim first, intra-node dim
+        second, e.g. ``("cp_inter", "cp_intra")``) also gives the rail and node groups of the two-level
+        collectives. Flattening a 2-D mesh is collective over the default world (every process of it
+        flattens its own mesh, in the same order), as building the mesh was."""
+        if mesh.ndim == 1:
+            return mesh.get_group()
+        if mesh.ndim != 2:
+            raise ValueError(f"group: a DeviceMesh of 1 or 2 dimensions is accepted (flat, or inter-node x "
+                             f"intra-node), got {mesh.ndim} dimensions {mesh.mesh_dim_names}; slice the "
+                             "context-parallel dimensions out of it, e.g. mesh['cp_inter', 'cp_intra']")
+        self._levels = (mesh.get_group(0), mesh.get_group(1))
+        self._levels_shape = (mesh.size(0), mesh.size(1))
+        return mesh._flatten().get_group()
+
+    def view(self, record: bool = False) -> Communicator:
+        """A communicator on the same group and levels with its own statistics (``record=False``: not
+        recorded by ``cpattn.trace``: setup traffic, ``unshard``), without creating any process group."""
+        other = copy.copy(self)
+        other.record = record
+        other._stats = defaultdict(lambda: {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
+        other._subs = None
+        return other
 
     # ------------------------------------------------------------------ bookkeeping
+    @property
+    def levels_shape(self) -> tuple[int, int] | None:
+        """(nodes, devices per node) of the two levels set up (from a 2-D mesh, or :meth:`setup_levels`)."""
+        return self._levels_shape
+
     def global_rank(self, group_rank: int) -> int:
         if not 0 <= group_rank < self.world_size:
             raise ValueError(f"group rank {group_rank} outside [0, {self.world_size})")
@@ -149,6 +197,8 @@ class Communicator:
 
     def reset_stats(self) -> None:
         self._stats.clear()
+        for sub in self._subs or ():
+            sub.reset_stats()
 
     @staticmethod
     def new_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -252,43 +302,70 @@ class Communicator:
         return self._issue(counted, dist.all_to_all_single(out, t, group=self.group, async_op=True), async_op)
 
     # ------------------------------------------------------------------ hierarchical collectives
-    def hierarchy(self, topology: Topology | None) -> tuple[Communicator, Communicator] | None:
-        """``(rail, node)`` sub-communicators of this rank for ``topology``, or None when the flat
-        collective is used instead.
+    def setup_levels(self, topology: Topology | None) -> bool:
+        """Make the rail and node groups of ``topology``'s two-level collectives ready; True when this
+        communicator's hierarchical collectives run in two levels for ``topology``, False when the
+        topology has one level (one node, one device per node, or no topology).
 
         Group rank g sits on node ``g // D`` at local index ``g % D`` (D = devices per node). The *rail*
         of local index l holds the ranks ``{n * D + l}`` (one per node: their traffic uses all NICs at
-        once); the *node* group holds the D ranks of one node. None when ``topology`` is None, has one
-        node or one device per node, or when this group is a strict subgroup of the default world.
+        once); the *node* group holds the D ranks of one node.
 
-        The sub-groups come from ``torch.distributed.new_group``, which every process of the default
-        world must enter, in the same order. They are built by the first hierarchical collective of
-        this (group, topology) and cached per process; every rank of this group makes that call, so
-        every process of the world does only when this group spans the whole default world. On a
-        strict subgroup the non-members would never enter ``new_group``, so the flat collective is
-        used there instead (same result, same payload per rank).
+        - From a 2-D :class:`DeviceMesh` (``group=mesh``): its two dimensions are the rail and node
+          groups; the topology must have the mesh's shape.
+        - On a group spanning the whole default world: ``torch.distributed.new_group`` for every rail
+          and every node, which every process enters in the same order (cached per process).
+        - On a strict subgroup without a mesh: ``ValueError``, the same on every member. The processes
+          outside the group would never enter ``new_group``, and a silently flat collective would not
+          be the algorithm the cost model prices.
+
+        ``ContextParallel`` calls this at construction, so no process group is created at run time.
         """
-        if topology is None or topology.nodes == 1 or topology.devices_per_node == 1 or self.world_size == 1:
-            return None
+        if not _two_level(topology, self.world_size):
+            return False
         if topology.world != self.world_size:
             raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
                              f"but the group has {self.world_size}")
-        if self.world_size != dist.get_world_size():
-            return None
-        key = (tuple(self._global_ranks), topology.nodes, topology.devices_per_node)
+        shape = (topology.nodes, topology.devices_per_node)
+        if self._levels is not None:
+            if self._levels_shape != shape:
+                raise ValueError(f"the levels set up are {self._levels_shape[0]} x {self._levels_shape[1]} "
+                                 f"(inter-node x intra-node) but the topology is {shape[0]} x {shape[1]}")
+            return True
+        world = dist.get_world_size()
+        if self.world_size != world:
+            raise ValueError(
+                f"topology {shape[0]} x {shape[1]} on a group of {self.world_size} of the {world} processes: "
+                "its two-level collectives need rail and node process groups, which only every process of "
+                "the world can create together. Pass group as a 2-D DeviceMesh instead, e.g. "
+                "init_device_mesh(device, (dp, nodes, per_node), mesh_dim_names=('dp', 'cp_inter', "
+                "'cp_intra'))['cp_inter', 'cp_intra'], or pass topology=None for flat collectives")
+        key = (tuple(self._global_ranks), *shape)
         if key not in _HIERARCHY:
-            n_nodes, d = topology.nodes, topology.devices_per_node
+            n_nodes, d = shape
             members = [[self._global_ranks[n * d + lo] for n in range(n_nodes)] for lo in range(d)]
             members += [[self._global_ranks[n * d + lo] for lo in range(d)] for n in range(n_nodes)]
             groups = [dist.new_group(ranks) for ranks in members]  # every process creates every group
-            rail = groups[topology.local_index(self.rank)]
-            node = groups[d + topology.node_of(self.rank)]
-            _HIERARCHY[key] = (rail, node)
-        rail, node = _HIERARCHY[key]
-        subs = self._subs.get(key)
-        if subs is None:
-            subs = self._subs[key] = (Communicator(rail, record=False), Communicator(node, record=False))
-        return subs
+            _HIERARCHY[key] = (groups[topology.local_index(self.rank)], groups[d + topology.node_of(self.rank)])
+        self._levels, self._levels_shape = _HIERARCHY[key], shape
+        return True
+
+    def hierarchy(self, topology: Topology | None) -> tuple[Communicator, Communicator] | None:
+        """``(rail, node)`` sub-communicators of this rank for ``topology`` (:meth:`setup_levels`, which
+        runs here on first use when it has not run yet), or None when ``topology`` has one level."""
+        if not self.setup_levels(topology):
+            return None
+        if self._subs is None:
+            rail, node = self._levels
+            self._subs = (Communicator(rail, record=False), Communicator(node, record=False))
+        return self._subs
+
+    def level_stats(self) -> dict[str, dict[str, int]]:
+        """Totals (``calls``, ``bytes_sent``, ``bytes_recv``) of the two levels of this communicator's
+        hierarchical collectives: ``inter_node`` (the rails) and ``intra_node``; empty before any ran."""
+        if self._subs is None:
+            return {}
+        return {level: sub.stats()["total"] for level, sub in zip(LEVELS, self._subs)}
 
     def hierarchical_all_gather(self, out: torch.Tensor, t: torch.Tensor, topology: Topology | None,
                                 async_op: bool = False):

@@ -52,6 +52,11 @@ class Case:
     layout: str | None = None  # passed to ContextParallel (None: the schedule's own; "balanced")
     #: options of the schedule object, JSON-able (``ultra``'s ``plan_options`` as a dict of PlanOptions fields)
     options: dict | None = None
+    #: (dp, nodes, devices per node): the world as a ("dp", "cp_inter", "cp_intra") DeviceMesh; every dp
+    #: replica runs the case on its 2-D context-parallel mesh (two-level collectives), replica
+    #: ``replica``'s results are checked
+    mesh: tuple[int, int, int] | None = None
+    replica: int = 0
 
     @property
     def mask_spec(self) -> dict:
@@ -60,6 +65,8 @@ class Case:
     @property
     def label(self) -> str:
         where = f"P={self.world}" if self.group is None else f"group{list(self.group)}/P={self.world}"
+        if self.mesh is not None:
+            where = f"mesh dp{self.mesh[0]}x{self.mesh[1]}x{self.mesh[2]} replica {self.replica}/P={self.world}"
         if self.topology is not None:
             where += f" topo={self.topology[0]}x{self.topology[1]}"
         mask = self.mask if not self.mask_args else f"{self.mask}{json.dumps(self.mask_args, separators=(',', ':'))}"
@@ -233,6 +240,25 @@ def _subgroup(ranks: tuple[int, ...]):
     return _SUBGROUPS[ranks]
 
 
+def _cp_mesh(shape: tuple[int, int, int]):
+    """The 2-D context-parallel mesh of this rank in a ("dp", "cp_inter", "cp_intra") mesh of ``shape``
+    and this rank's dp index (built, and flattened, once per process: collective over the world)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape not in _MESHES:
+        if shape[0] * shape[1] * shape[2] != dist.get_world_size():
+            raise ValueError(f"mesh {shape} does not cover the {dist.get_world_size()}-rank world")
+        mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=("dp", "cp_inter", "cp_intra"))
+        cp = mesh["cp_inter", "cp_intra"]
+        cp._flatten()
+        _MESHES[shape] = (cp, mesh.get_local_rank("dp"))
+    return _MESHES[shape]
+
+
+_MESHES: dict[tuple[int, int, int], tuple[object, int]] = {}
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.detach().numpy()
 
@@ -261,6 +287,10 @@ def rank_case(**fields) -> dict:
         group = _subgroup(tuple(case.group))
         if dist.get_rank() not in case.group:
             return {"member": False}
+    checked = True
+    if case.mesh is not None:
+        group, dp_index = _cp_mesh(tuple(case.mesh))
+        checked = dp_index == case.replica
     x = make_inputs(case)
     topology = Topology(*case.topology) if case.topology is not None else None
     cp = ContextParallel(case.seq, from_spec(case.mask_spec), schedule_of(case), group=group, backend=case.backend,
@@ -289,9 +319,10 @@ def rank_case(**fields) -> dict:
     # this run's blocks (the schedule's own layout, no padding)
     own_blocks = case.layout is None and cp.padded_len == cp.seq_len
     spec = spec_report(cp, q, k, {"forward": fwd_events, "backward": bwd_events}, own_blocks)
-    return {"member": True, "rank": cp.rank, "positions": _np(cp.positions()), "out": _np(out),
+    return {"member": checked, "rank": cp.rank, "positions": _np(cp.positions()), "out": _np(out),
             "lse": _np(lse), "dq": _np(q.grad), "dk": _np(k.grad), "dv": _np(v.grad),
-            "measured": {"forward": fwd, "backward": bwd}, "expected": expected, "spec": spec}
+            "measured": {"forward": fwd, "backward": bwd}, "expected": expected, "spec": spec,
+            "levels": {"forward": fwd.get("levels", {}), "backward": bwd.get("levels", {})}}
 
 
 # ---------------------------------------------------------------------------------- the run against steps()
@@ -429,6 +460,8 @@ class CaseResult:
     spec_mismatches: list[str] = field(default_factory=list)  # the run against the schedule's steps()
     exact_violations: list[str] = field(default_factory=list)  # padding / empty rows not exactly 0, -inf
     failure: str | None = None  # an exception on a rank, a timeout
+    #: per checked rank and phase, the bytes each level of the hierarchical collectives carried
+    levels: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -450,7 +483,7 @@ class CaseResult:
         return "; ".join(parts)
 
     def as_dict(self) -> dict:
-        return {"case": asdict(self.case), "passed": self.passed, "errors": self.errors,
+        return {"case": asdict(self.case), "passed": self.passed, "errors": self.errors, "levels": self.levels,
                 "tolerances": self.tolerances, "comm_mismatches": self.comm_mismatches,
                 "spec_mismatches": self.spec_mismatches,
                 "exact_violations": self.exact_violations, "failure": self.failure}
@@ -493,13 +526,38 @@ def _compare_comm(results: list[dict]) -> list[str]:
     bad = []
     for r in results:
         for phase in ("forward", "backward"):
-            measured = {op: v for op, v in r["measured"][phase].items() if op != "total"}
+            measured = {op: v for op, v in r["measured"][phase].items() if op not in ("total", "levels")}
             expected = r["expected"][phase]
             for op in sorted(set(measured) | set(expected)):
                 m = measured.get(op, {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
                 e = expected.get(op, {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
                 if m != e:
                     bad.append(f"rank {r['rank']} {phase} {op}: measured {m}, formula {e}")
+    return bad
+
+
+def _compare_levels(case: Case, results: list[dict]) -> list[str]:
+    """A hierarchical schedule on a two-level topology (or 2-D mesh) of N nodes x D devices must run
+    every all-gather and reduce-scatter in two levels: a collective whose flat payload is (P-1) n puts
+    (N-1) n on the rail (across nodes) and (D-1) N n inside the node, one call each."""
+    shape = case.mesh[1:] if case.mesh is not None else case.topology
+    if shape is None or min(shape) < 2 or not schedule_of(case).hierarchical:
+        return []
+    n_nodes, d = shape
+    p = n_nodes * d
+    bad = []
+    for r in results:
+        for phase in ("forward", "backward"):
+            ops = [r["measured"][phase].get(op, {"calls": 0, "bytes_sent": 0})
+                   for op in ("all_gather", "reduce_scatter")]
+            calls, sent = sum(o["calls"] for o in ops), sum(o["bytes_sent"] for o in ops)
+            expected = {"inter_node": {"calls": calls, "bytes_sent": sent * (n_nodes - 1) // (p - 1)},
+                        "intra_node": {"calls": calls, "bytes_sent": sent * (d - 1) * n_nodes // (p - 1)}}
+            levels = r["levels"][phase]
+            for level, want in expected.items():
+                got = {k: levels.get(level, {}).get(k, 0) for k in want}
+                if got != want and calls:
+                    bad.append(f"rank {r['rank']} {phase} {level}: measured {got}, two-level collectives need {want}")
     return bad
 
 
@@ -523,7 +581,8 @@ def check(case: Case, per_rank: list) -> CaseResult:
         got[q] = assemble(members, q, 2 if q == "lse" else 1)
         res.errors[q] = rel_error(got[q], ref[q])
         res.tolerances[q] = 2 * e_local[q] + 1e-6
-    res.comm_mismatches = _compare_comm(members)
+    res.comm_mismatches = _compare_comm(members) + _compare_levels(case, members)
+    res.levels = {r["rank"]: r["levels"] for r in members}
     res.spec_mismatches = _compare_spec(members)
     res.exact_violations = _exact_checks(members, got, allowed)
     return res

@@ -44,10 +44,11 @@ def hierarchy_vs_flat(nodes: int, devices_per_node: int) -> dict:
 
     def both(op: str, make_out, flat_fn, hier_fn, *args) -> None:
         for name, comm, fn in (("flat", flat, flat_fn), ("hier", hier, hier_fn)):
-            comm.reset_stats()
+            before = comm.stats()  # not reset: that would also reset the levels' counts
             res[op, name] = make_out()
             fn(res[op, name], *args)
-            counts[op, name] = comm.stats()
+            counts[op, name] = {kind: {k: v - before.get(kind, {}).get(k, 0) for k, v in c.items()}
+                                for kind, c in comm.stats().items() if kind != "total"}
 
     nan = float("nan")
     both("gather", lambda: torch.full((p, 3, 5), nan), flat.all_gather,
@@ -200,12 +201,6 @@ HIERARCHICAL = hierarchical_cases()
 def test_hierarchical_x3_is_exact(worlds, case):
     result = verify.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
-
-
-@pytest.mark.parametrize("name", ["ringx3", "ringx3b"])
-def test_topology_on_a_strict_subgroup_is_exact(worlds, name):
-    """new_group needs every process of the world, so a strict subgroup takes the flat path: no hang."""
-    check_all(worlds, [verify.Case(name, 8, mask_of(name), seq=64, group=(1, 3, 5, 7), topology=(2, 2))])
 
 
 @pytest.mark.parametrize("nodes,devices", [(2, 2), (2, 4)])

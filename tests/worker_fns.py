@@ -161,3 +161,124 @@ def distributed_merge_check(owner: int) -> dict:
             "lse_err": float((lse_m[~lse_m.isinf()] - full_lse[~full_lse.isinf()]).abs().max()),
             "nan": bool(o.isnan().any() or lse_m.isnan().any())}
 
+
+
+# ---------------------------------------------------------------------------------- ranks that disagree
+#: what each mismatch gives rank 1 (the others get the defaults), and the field the error must name
+MISMATCHES = {
+    "seq_len": ({"seq_len": 48}, "seq_len differs"),
+    "schedule": ({"schedule": "ringx4o"}, "schedule differs"),
+    "mask": ({"mask": "full"}, "mask differs"),
+    "layout": ({"layout": "balanced"}, "layout differs"),
+    "check": ({"check": "always"}, "check differs"),
+    "dtype": ({"dtype": torch.float64}, "differs"),
+    "batch": ({"batch": 3}, "q differs"),
+    "requires_grad": ({"requires_grad": False}, "requires_grad"),
+    "scale": ({"softmax_scale": 0.5}, "softmax_scale differs"),
+    "invalid_heads": ({"kv_heads": 3}, "multiple of key/value heads"),
+    "invalid_schedule": ({"schedule": "tree"}, "unknown"),
+}
+
+
+def mismatch(problem: str, schedule: str = "allgather") -> dict:
+    """Rank 1 is given something different (:data:`MISMATCHES`); report what each rank raised, and
+    how long it took."""
+    args = {"seq_len": 32, "schedule": schedule, "mask": "causal", "layout": None, "check": "first",
+            "dtype": torch.float32, "batch": 2, "requires_grad": True, "softmax_scale": None, "kv_heads": 2}
+    if dist.get_rank() == 1:
+        args.update(MISMATCHES[problem][0])
+    start = time.perf_counter()
+    try:
+        cp = cpattn.ContextParallel(args["seq_len"], args["mask"], args["schedule"], layout=args["layout"],
+                                    check=args["check"])
+        s = cp.local_len
+        q = torch.randn(args["batch"], s, 4, 16, dtype=args["dtype"], requires_grad=args["requires_grad"])
+        k = torch.randn(args["batch"], s, args["kv_heads"], 16, dtype=args["dtype"])
+        out = cp.attention(q, k, k.clone(), softmax_scale=args["softmax_scale"])
+        out.sum().backward() if out.requires_grad else None
+    except Exception as exc:  # the point: every rank reports what it raised
+        return {"type": type(exc).__name__, "message": str(exc), "seconds": time.perf_counter() - start}
+    return {"type": None, "message": "", "seconds": time.perf_counter() - start}
+
+
+def diverge_later(check: str) -> dict:
+    """Same signature on the first call; on the second, rank 1's batch differs. Only check="always"
+    sees it before the schedule's traffic (the test runs this with a short timeout for "always" only)."""
+    cp = cpattn.ContextParallel(32, "causal", "ring", check=check)
+    s = cp.local_len
+    q = torch.randn(2, s, 4, 16)
+    cp.attention(q, q, q)
+    batch = 3 if dist.get_rank() == 1 else 2
+    q = torch.randn(batch, s, 4, 16)
+    try:
+        cp.attention(q, q, q)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}
+
+
+def check_cost(calls: int = 200) -> dict:
+    """Seconds per attention call (tiny, forward only) with check="off", "first" and "always"."""
+    out = {}
+    for mode in ("off", "first", "always", "off"):
+        cp = cpattn.ContextParallel(64, "causal", "ring", check=mode)
+        q = torch.randn(1, cp.local_len, 2, 16)
+        cp.attention(q, q, q)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            cp.attention(q, q, q)
+        out[mode] = (time.perf_counter() - start) / calls
+    return out
+
+
+def memory_refusal(schedule: str, limit: int, seq: int = 64) -> dict:
+    """A call whose model peak exceeds ``limit`` bytes on rank 0 only: every rank must refuse alike."""
+    cp = cpattn.ContextParallel(seq, "causal", schedule, memory_limit=limit if dist.get_rank() == 0 else None)
+    q = torch.randn(1, cp.local_len, 4, 16, requires_grad=True)
+    k = torch.randn(1, cp.local_len, 2, 16, requires_grad=True)
+    try:
+        cp.attention(q, k, k)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "need": cp.peak_memory(q, k)}
+    return {"type": None, "message": "", "need": cp.peak_memory(q, k)}
+
+
+def topology_on_subgroup(schedule: str) -> dict:
+    """A two-level topology on a strict subgroup (no mesh): refused, the same on every member."""
+    group = dist.new_group([0, 1, 2, 3])
+    if dist.get_rank() >= 4:
+        return {"member": False}
+    try:
+        cpattn.ContextParallel(64, "causal" if schedule == "ringx3" else "full", schedule, group=group,
+                               topology=cpattn.Topology(2, 2))
+    except Exception as exc:
+        return {"member": True, "type": type(exc).__name__, "message": str(exc)}
+    return {"member": True, "type": None, "message": ""}
+
+
+def one_dim_mesh() -> dict:
+    """A 1-D DeviceMesh is the flat group: the result equals the one on the process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(5)
+    x = torch.randn(1, 32, 4, 16)
+    outs = []
+    for group in (mesh, None):
+        cp = cpattn.ContextParallel(32, "causal", "zigzag_ring", group=group)
+        local = cp.shard(x)
+        outs.append(cp.unshard(cp.attention(local, local, local)))
+    return {"same": bool(torch.equal(outs[0], outs[1])), "rank": cp.rank}
+
+
+def mesh_shape_mismatch() -> dict:
+    """A 2-D mesh whose shape differs from the topology given: refused alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_inter", "cp_intra"))
+    try:
+        cpattn.ContextParallel(64, "causal", "ringx3", group=mesh, topology=cpattn.Topology(1, 4))
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}

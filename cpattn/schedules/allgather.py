@@ -27,8 +27,6 @@ class AllGatherSchedule(Schedule):
     custom_layout = True
     memory = "O(global kv)"
     summary = "all-gather kv, reduce-scatter dk/dv"
-    #: run the two collectives in two levels (rails, then node) when the runtime has a topology
-    hierarchical = False
 
     def layout_for(self, mask) -> str:
         return "zigzag" if mask.is_causal else "contiguous"

@@ -108,6 +108,9 @@ class Schedule:
     #: and estimate come from the plan. Building one takes from under a second to tens of seconds, so
     #: "auto" considers planned schedules only for masks other than causal and full.
     planned: bool = False
+    #: its collectives run in two levels (rails, then node) when the runtime has a two-level topology, so
+    #: ``ContextParallel`` sets up the rail and node groups at construction
+    hierarchical: bool = False
     summary: str = ""
 
     # ------------------------------------------------------------------ identity
