@@ -130,9 +130,11 @@ class ContextParallel:
             self._configure(seq_len, mask, schedule, topology, backend, layout, check, memory_limit)
         except (ValueError, TypeError, NotImplementedError) as exc:
             error = exc
-        if check != "off" or error is not None:  # "off" trusts the caller: no exchange at all
+        if check != "off":  # "off" trusts the caller: no exchange at all, errors stay on their rank
             agree.agree(self._setup, "ContextParallel", self._construction_fields(seq_len, schedule, group),
                         error, self._exchange_device)
+        elif error is not None:
+            raise error
         if self.schedule.hierarchical:  # rail and node groups now (collectively), never at run time
             self.comm.setup_levels(self.topology)
         self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
@@ -262,9 +264,22 @@ class ContextParallel:
         return local.contiguous()
 
     def unshard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """Gather every rank's local tensor; all ranks get the full tensor in original token order."""
-        if x.shape[dim] != self.local_len:
-            raise ValueError(f"unshard: tensor has {x.shape[dim]} tokens at dim {dim}, expected {self.local_len}")
+        """Gather every rank's local tensor; all ranks get the full tensor in original token order.
+        Collective: unless ``check="off"``, the ranks first agree on the tensor's shape, dtype and
+        ``dim`` (a rank with a wrong tensor makes every rank raise)."""
+        error = None
+        try:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"unshard: expected a torch.Tensor, got {type(x).__name__}")
+            if x.shape[dim] != self.local_len:
+                raise ValueError(f"unshard: tensor has {x.shape[dim]} tokens at dim {dim}, expected {self.local_len}")
+        except (TypeError, ValueError, IndexError) as exc:
+            error = exc
+        if self.check != "off":
+            shape = f"{tuple(x.shape)}, {x.dtype}, dim {dim}" if isinstance(x, torch.Tensor) else type(x).__name__
+            agree.agree(self._setup, "ContextParallel.unshard", {"tensor": shape}, error, self._exchange_device)
+        elif error is not None:
+            raise error
         moved = x.movedim(dim, 0).contiguous()
         gathered = torch.empty((self.world_size, *moved.shape), dtype=x.dtype, device=x.device)
         self._setup.all_gather(gathered, moved)

@@ -95,3 +95,13 @@ def test_two_level_ringx3_inside_dp2_x_cp4_is_exact_with_bytes_per_level(worlds,
             for rank, levels in result.levels.items():
                 assert levels[phase]["inter_node"]["bytes_sent"] > 0, (rank, levels)
                 assert levels[phase]["intra_node"]["bytes_sent"] > 0, (rank, levels)
+
+
+def test_unshard_of_a_wrong_tensor_on_one_rank_fails_everywhere(worlds):
+    first = _same_error_everywhere(worlds.get(2).run(worker_fns.bad_unshard, timeout=60))
+    assert "ContextParallel.unshard: rank 1 of 2 raised ValueError" in first["message"], first
+
+
+def test_check_off_exchanges_nothing(worlds):
+    results = worlds.get(2).run(worker_fns.check_off_stays_local, timeout=60)
+    assert results[0]["type"] is None and results[1]["type"] == "ValueError", results

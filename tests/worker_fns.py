@@ -282,3 +282,23 @@ def mesh_shape_mismatch() -> dict:
     except Exception as exc:
         return {"type": type(exc).__name__, "message": str(exc)}
     return {"type": None, "message": ""}
+
+
+def bad_unshard() -> dict:
+    """Rank 1 unshards a tensor of the wrong length: every rank raises the same error."""
+    cp = cpattn.ContextParallel(32, "causal", "ring")
+    x = torch.randn(1, cp.local_len + (1 if dist.get_rank() == 1 else 0), 2)
+    try:
+        cp.unshard(x)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}
+
+
+def check_off_stays_local() -> dict:
+    """check="off": no exchange, so a rank's own error is raised there alone (and nothing hangs)."""
+    try:
+        cpattn.ContextParallel(32, "causal", "tree" if dist.get_rank() == 1 else "ring", check="off")
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}
