@@ -30,7 +30,8 @@ from .comm import Communicator
 #: values of ``ContextParallel(check=...)``
 CHECK_MODES = ("first", "always", "off")
 #: errors re-raised with their own type on every rank; any other type is raised as RuntimeError
-_TYPES = {t.__name__: t for t in (ValueError, TypeError, NotImplementedError, MemoryError, RuntimeError)}
+_TYPES = {t.__name__: t for t in (ValueError, TypeError, NotImplementedError, MemoryError, RuntimeError,
+                                  ImportError, ModuleNotFoundError)}
 
 
 class RanksDisagreeError(ValueError):
@@ -86,7 +87,7 @@ def agree(comm: Communicator, what: str, fields: Mapping[str, str], error: BaseE
     Every rank must call this with the same ``what`` and the same field *names* (the values may
     differ: that is what is checked). On success it returns on every rank. Otherwise every rank raises
     the same exception: the first failing rank's error (its type when it is a ValueError, TypeError,
-    NotImplementedError, MemoryError or RuntimeError, else RuntimeError) prefixed with the rank that
+    NotImplementedError, MemoryError, RuntimeError or ImportError, else RuntimeError) prefixed with the rank that
     raised it, or :class:`RanksDisagreeError` naming each differing field with its values and ranks.
     With one rank, ``error`` is re-raised unchanged and nothing is exchanged.
     """

@@ -128,7 +128,7 @@ class ContextParallel:
         error, self._fingerprint = None, {}
         try:
             self._configure(seq_len, mask, schedule, topology, backend, layout, check, memory_limit)
-        except (ValueError, TypeError, NotImplementedError) as exc:
+        except (ValueError, TypeError, NotImplementedError, ImportError) as exc:
             error = exc
         if check != "off":  # "off" trusts the caller: no exchange at all, errors stay on their rank
             agree.agree(self._setup, "ContextParallel", self._construction_fields(seq_len, schedule, group),

@@ -1,9 +1,10 @@
 """Local attention on one device: the single kernel contract every schedule uses.
 
 Tensors are ``[b, s, h, d]`` (q) and ``[b, s_kv, h_kv, d]`` (k, v) with ``h % h_kv == 0`` (GQA: query
-head i uses key/value head ``i // (h // h_kv)``; repeated heads are never materialised on the CPU
-paths). A block has a :class:`~cpattn.masks.BlockKind`: FULL, CAUSAL (square, local row i attends local
-columns <= i) or PARTIAL (explicit boolean ``mask [s_q, s_kv]``).
+head i uses key/value head ``i // (h // h_kv)``). A block has a :class:`~cpattn.masks.BlockKind`: FULL,
+CAUSAL (square, local row i attends local columns <= i; square makes top-left and bottom-right
+alignment the same, so every kernel's causal flag means the same thing) or PARTIAL (explicit boolean
+``mask [s_q, s_kv]``).
 
 - ``forward(q, k, v, kind, scale, mask) -> (out [b, s_q, h, d], lse [b, h, s_q])``
 - ``backward(dout, q, k, v, out, lse, kind, scale, mask) -> (dq, dk, dv)``
@@ -13,26 +14,48 @@ schedules merge and sum them without extra casts. The backward takes the *final*
 of the whole row (after every block is merged): that is what makes per-block gradients add up exactly.
 Rows with no allowed key give out 0, lse -inf and zero gradients, never NaN.
 
-Backends: ``aten`` (PyTorch's flash kernels: the CPU op, or the CUDA op for fp16/bf16) for FULL and
-CAUSAL blocks; ``math`` (plain torch, chunked over queries so memory stays bounded) for PARTIAL
-blocks, float64, and as the reference-quality path. ``auto`` takes ``aten`` where it applies.
+Each call runs one named *kernel path* (:data:`PATHS`), chosen by the pure function
+:func:`choose_kernel` from the device type, dtype, head dim, block kind, the paths this process has
+(:func:`available_kernels`) and the ``backend`` asked for (docs/cuda.md has the table):
+
+- ``flash_cpu``: PyTorch's CPU flash op, FULL and CAUSAL blocks, every dtype;
+- ``flash_cuda``, ``cudnn_cuda``, ``efficient_cuda``: PyTorch's fused CUDA ops, FULL and CAUSAL;
+- ``flex_cuda``: FlexAttention with a block mask, PARTIAL blocks on CUDA;
+- ``flash_attn``: the optional flash-attn package (``backend="flash_attn"``), FULL and CAUSAL on CUDA;
+- ``math``: plain torch, chunked over queries so memory stays bounded; float64, PARTIAL blocks off
+  CUDA, and whatever no fused kernel fits. It is also the reference-quality path.
+
+The CUDA op wrappers live in :mod:`cpattn.kernels_cuda`. A path whose op has no grouped-query support
+gets its key/value heads expanded (:func:`expand_kv`) and its dk/dv summed back over each group
+(:func:`reduce_kv_grad`), in float32.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from collections.abc import Callable
+from functools import cache
 
 import torch
 
-from . import trace
+from . import kernels_cuda, trace
 from .masks import BlockKind
 
-BACKENDS = ("auto", "aten", "math")
+BACKENDS = ("auto", "aten", "flash_attn", "math")
+#: every kernel path :func:`choose_kernel` can return
+PATHS = ("flash_cpu", "flash_cuda", "cudnn_cuda", "efficient_cuda", "flex_cuda", "flash_attn", "math")
+#: FULL/CAUSAL paths on CUDA in the order ``auto`` and ``aten`` try them
+CUDA_ORDER = ("flash_cuda", "cudnn_cuda", "efficient_cuda")
+#: paths whose op takes fewer key/value heads than query heads; the others get expanded heads
+NATIVE_GQA = frozenset({"flash_cpu", "flash_cuda", "flex_cuda", "flash_attn", "math"})
 #: the one dtype table: name -> torch dtype of every supported q/k/v dtype (float64: CPU reference work)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SUPPORTED_DTYPES = tuple(DTYPES.values())
 #: query rows per chunk on the math path: bounds the score matrix to chunk x s_kv per head
 MATH_CHUNK_ROWS = 512
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -61,29 +84,115 @@ def element_bytes(name: str, accumulator: bool = False) -> int:
     return acc_bytes(DTYPES[name]) if accumulator else torch.empty((), dtype=DTYPES[name]).element_size()
 
 
-def check_backend(backend: str) -> None:
-    if backend in ("flash_attn", "flex"):
+# --------------------------------------------------------------------------------------- dispatch
+def _check_backend_name(backend: str) -> None:
+    if backend == "flex":
         raise NotImplementedError(
-            f"backend={backend!r} is not available in this build; accepted: {', '.join(BACKENDS)}"
-        )
+            "backend='flex' is not a separate choice: FlexAttention already runs PARTIAL blocks on CUDA "
+            f"under 'auto', 'aten' and 'flash_attn'; accepted: {', '.join(BACKENDS)}")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
 
 
-def _use_aten(q: torch.Tensor, kind: BlockKind, backend: str) -> bool:
-    if kind == BlockKind.PARTIAL or backend == "math":
-        return False
-    if q.device.type == "cpu":
+def _flash_attn_missing(backend: str) -> ImportError:
+    return ImportError(f"backend={backend!r} needs the flash_attn package (pip install flash-attn), which is "
+                       "not installed; without it use 'auto', 'aten' or 'math'")
+
+
+def check_backend(backend: str) -> None:
+    """Raise for a backend name this process cannot run: ValueError for an unknown name,
+    NotImplementedError for ``flex`` (not a separate choice), ImportError naming the package for
+    ``flash_attn`` when flash-attn is not installed."""
+    _check_backend_name(backend)
+    if backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        raise _flash_attn_missing(backend)
+
+
+def kernel_fits(path: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether kernel path ``path`` takes inputs of ``dtype`` and ``head_dim`` (the ops' own limits,
+    kept conservative: a case outside them goes to the next path, in the end to ``math``)."""
+    if path in ("math", "flash_cpu"):
         return True
-    if q.device.type == "cuda":
-        if q.dtype in (torch.float16, torch.bfloat16):
-            return True
+    if path in ("flash_cuda", "flash_attn"):  # FlashAttention-2: half precision, d <= 256, d % 8 == 0
+        return dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256
+    if path == "cudnn_cuda":  # cuDNN fused attention: half precision, d <= 128 on every GPU generation
+        return dtype in _HALF and head_dim % 8 == 0 and head_dim <= 128
+    if path == "efficient_cuda":  # memory-efficient kernel: also float32; rows aligned to 8 (half) or 4
+        align = 4 if dtype == torch.float32 else 8
+        return dtype in (*_HALF, torch.float32) and head_dim % align == 0 and head_dim <= 256
+    if path == "flex_cuda":  # Triton FlexAttention: head dims from 16 (smaller tiles are not generated)
+        return dtype in (*_HALF, torch.float32) and 16 <= head_dim <= 256
+    raise ValueError(f"kernel path {path!r} is unknown; known: {', '.join(PATHS)}")
+
+
+def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: BlockKind,
+                  available: frozenset[str], backend: str = "auto") -> str:
+    """The kernel path (a :data:`PATHS` name) for one block: a pure function of its arguments.
+
+    ``available`` is the set of paths this process can run (:func:`available_kernels`). ``math``
+    always gets ``math``. CPU: ``flash_cpu`` for FULL and CAUSAL blocks, ``math`` for PARTIAL ones.
+    CUDA: PARTIAL blocks take ``flex_cuda`` when it fits; FULL and CAUSAL blocks take ``flash_attn``
+    when asked for and it fits, else the first of :data:`CUDA_ORDER` that is available and fits; with
+    none, ``auto`` and ``flash_attn`` fall back to ``math`` while ``aten`` raises ValueError (it promised
+    a fused kernel). Other devices run ``math`` (``aten`` raises)."""
+    _check_backend_name(backend)
+    if kind == BlockKind.EMPTY:
+        raise ValueError("an EMPTY block has nothing to compute; schedules must skip it")
+    if backend == "math":
+        return "math"
+    if device_type == "cpu":
+        return "flash_cpu" if kind != BlockKind.PARTIAL and "flash_cpu" in available else "math"
+    if device_type != "cuda":
         if backend == "aten":
-            raise ValueError(f"backend='aten' on CUDA needs float16 or bfloat16, got {q.dtype}; use 'auto'")
-        return False
+            raise ValueError(f"backend='aten' does not run on device {device_type!r}; use 'math'")
+        return "math"
+    if backend == "flash_attn" and "flash_attn" not in available:
+        raise _flash_attn_missing(backend)
+    if kind == BlockKind.PARTIAL:
+        return "flex_cuda" if "flex_cuda" in available and kernel_fits("flex_cuda", dtype, head_dim) else "math"
+    if backend == "flash_attn" and kernel_fits("flash_attn", dtype, head_dim):
+        return "flash_attn"
+    for path in CUDA_ORDER:
+        if path in available and kernel_fits(path, dtype, head_dim):
+            return path
     if backend == "aten":
-        raise ValueError(f"backend='aten' does not run on device {q.device.type!r}; use 'math'")
-    return False
+        raise ValueError(f"backend='aten' has no fused CUDA kernel for dtype={dtype} head_dim={head_dim} "
+                         f"(available: {', '.join(sorted(available))}); use 'auto', which falls back to 'math'")
+    return "math"
+
+
+def available_kernels(device: torch.device) -> frozenset[str]:
+    """The kernel paths this process can run on ``device``. On CUDA: what the GPU, this torch build
+    and the installed packages support, less the fused SDPA kernels switched off through
+    ``torch.backends.cuda.enable_flash_sdp`` / ``enable_mem_efficient_sdp`` / ``enable_cudnn_sdp``."""
+    if device.type == "cpu":
+        return frozenset({"flash_cpu", "math"})
+    if device.type != "cuda":
+        return frozenset({"math"})
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    switches = {"flash_cuda": torch.backends.cuda.flash_sdp_enabled(),
+                "efficient_cuda": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                "cudnn_cuda": torch.backends.cuda.cudnn_sdp_enabled()}
+    return frozenset(p for p in _cuda_paths(index) if switches.get(p, True))
+
+
+@cache
+def _cuda_paths(index: int) -> frozenset[str]:
+    """Paths the GPU ``index`` supports with this torch build and these packages (before switches)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    ampere = (major, minor) >= (8, 0)
+    paths = {"math"}
+    if (major, minor) >= (5, 0):
+        paths.add("efficient_cuda")
+    if ampere and torch.backends.cuda.is_flash_attention_available():
+        paths.add("flash_cuda")
+    if ampere and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000:
+        paths.add("cudnn_cuda")
+    if ampere and kernels_cuda.flex_supported():
+        paths.add("flex_cuda")
+    if ampere and importlib.util.find_spec("flash_attn") is not None:
+        paths.add("flash_attn")
+    return frozenset(paths)
 
 
 def _check_block(q: torch.Tensor, k: torch.Tensor, kind: BlockKind, mask: torch.Tensor | None) -> None:
@@ -96,39 +205,39 @@ def _check_block(q: torch.Tensor, k: torch.Tensor, kind: BlockKind, mask: torch.
             raise ValueError(f"a PARTIAL block needs a bool mask of shape {(q.shape[1], k.shape[1])}")
 
 
-# --------------------------------------------------------------------------------------- aten path
-def _aten_forward(q, k, v, causal: bool, scale: float):
+# --------------------------------------------------------------------------------------- GQA
+def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[b, s, h_kv, d] -> [b, s, h_kv * groups, d]``: head j of the result is head ``j // groups``
+    (the GQA convention), for ops that want as many key/value heads as query heads."""
+    if groups == 1:
+        return x
+    b, s, hkv, d = x.shape
+    return x.unsqueeze(3).expand(b, s, hkv, groups, d).reshape(b, s, hkv * groups, d)
+
+
+def reduce_kv_grad(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of :func:`expand_kv` for gradients: ``[b, s, h_kv * groups, d] -> [b, s, h_kv, d]``,
+    each key/value head's gradient summed over its group in the accumulation dtype."""
+    if groups == 1:
+        return dx
+    b, s, h, d = dx.shape
+    return dx.to(acc_dtype(dx.dtype)).view(b, s, h // groups, groups, d).sum(3)
+
+
+# --------------------------------------------------------------------------------------- CPU flash path
+def _cpu_flash_forward(q, k, v, kind, scale, mask):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qt, kt, vt, 0.0, causal, scale=scale)
-        return out.transpose(1, 2), lse
-    groups = q.shape[2] // k.shape[2]  # the CUDA flash op wants equal heads: repeat locally only
-    if groups > 1:
-        kt, vt = kt.repeat_interleave(groups, 1), vt.repeat_interleave(groups, 1)
-    res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
-    return res[0].transpose(1, 2), res[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qt, kt, vt, 0.0, kind == BlockKind.CAUSAL, scale=scale)
+    return out.transpose(1, 2), lse
 
 
-def _aten_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _cpu_flash_backward(dout, q, k, v, out, lse, kind, scale, mask):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     dt, ot = dout.transpose(1, 2), out.transpose(1, 2)
-    if q.device.type == "cpu":
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dt, qt, kt, vt, ot, lse.contiguous(), 0.0, causal, scale=scale)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-    groups = q.shape[2] // k.shape[2]
-    if groups > 1:
-        kt, vt = kt.repeat_interleave(groups, 1), vt.repeat_interleave(groups, 1)
-    sq, sk = q.shape[1], k.shape[1]
-    empty = torch.empty(0, dtype=torch.long, device=q.device)
-    zero = torch.zeros((), dtype=torch.long, device=q.device)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dt, qt, kt, vt, ot, lse.contiguous(), empty, empty, sq, sk, 0.0, causal, zero, zero, scale=scale)
-    if groups > 1:
-        b, h, s, d = dk.shape
-        dk = dk.view(b, h // groups, groups, s, d).sum(2)
-        dv = dv.view(b, h // groups, groups, s, d).sum(2)
+    lse = lse.to(acc_dtype(q.dtype)).contiguous()
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dt, qt, kt, vt, ot, lse, 0.0, kind == BlockKind.CAUSAL, scale=scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -201,17 +310,72 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+_FORWARD: dict[str, Callable] = {
+    "flash_cpu": _cpu_flash_forward, "math": _math_forward,
+    "flash_cuda": kernels_cuda.flash_forward, "cudnn_cuda": kernels_cuda.cudnn_forward,
+    "efficient_cuda": kernels_cuda.efficient_forward, "flex_cuda": kernels_cuda.flex_forward,
+    "flash_attn": kernels_cuda.flash_attn_forward,
+}
+_BACKWARD: dict[str, Callable] = {
+    "flash_cpu": _cpu_flash_backward, "math": _math_backward,
+    "flash_cuda": kernels_cuda.flash_backward, "cudnn_cuda": kernels_cuda.cudnn_backward,
+    "efficient_cuda": kernels_cuda.efficient_backward, "flex_cuda": kernels_cuda.flex_backward,
+    "flash_attn": kernels_cuda.flash_attn_backward,
+}
+
+
+def _expands(path: str, q: torch.Tensor, k: torch.Tensor, expand: bool | None) -> int:
+    """The GQA group size to expand key/value heads by for ``path`` (1: none)."""
+    groups = q.shape[2] // k.shape[2]
+    if expand is None:
+        expand = path not in NATIVE_GQA
+    return groups if expand else 1
+
+
+def _run_forward(path, q, k, v, kind, scale, mask, expand):
+    groups = _expands(path, q, k, expand)
+    out, lse = _FORWARD[path](q, expand_kv(k, groups), expand_kv(v, groups), kind, scale, mask)
+    acc = acc_dtype(q.dtype)
+    return out.to(acc), lse.to(acc)
+
+
+def _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand):
+    groups = _expands(path, q, k, expand)
+    dq, dk, dv = _BACKWARD[path](dout, q, expand_kv(k, groups), expand_kv(v, groups), out, lse, kind, scale, mask)
+    acc = acc_dtype(q.dtype)
+    return dq.to(acc), reduce_kv_grad(dk, groups).to(acc), reduce_kv_grad(dv, groups).to(acc)
+
+
+def forward_with(path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float,
+                 mask: torch.Tensor | None = None, expand: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` on the named kernel path (no dispatch, no trace record). ``expand`` forces (True)
+    or skips (False) the key/value head expansion; None expands for paths without native GQA."""
+    _check_block(q, k, kind, mask)
+    return _run_forward(path, q, k, v, kind, scale, mask, expand)
+
+
+def backward_with(path: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, kind: BlockKind, scale: float,
+                  mask: torch.Tensor | None = None, expand: bool | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`backward` on the named kernel path (no dispatch, no trace record); ``expand`` as in
+    :func:`forward_with`."""
+    _check_block(q, k, kind, mask)
+    return _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand)
+
+
+def kernel_for(q: torch.Tensor, kind: BlockKind, backend: str = "auto") -> str:
+    """The kernel path :func:`forward` and :func:`backward` run for queries like ``q`` and ``kind``."""
+    return choose_kernel(q.device.type, q.dtype, q.shape[3], kind, available_kernels(q.device), backend)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float,
             mask: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block. Returns ``out [b, s_q, h, d]`` and ``lse [b, h, s_q]`` in the
     accumulation dtype."""
     _check_block(q, k, kind, mask)
     trace.compute("forward", kind.value, q.shape[1], k.shape[1])
-    if _use_aten(q, kind, backend):
-        out, lse = _aten_forward(q, k, v, kind == BlockKind.CAUSAL, scale)
-        acc = acc_dtype(q.dtype)
-        return out.to(acc), lse.to(acc)
-    return _math_forward(q, k, v, kind, scale, mask)
+    return _run_forward(kernel_for(q, kind, backend), q, k, v, kind, scale, mask, None)
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -221,9 +385,4 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     Returns ``dq [b, s_q, h, d]``, ``dk, dv [b, s_kv, h_kv, d]`` in the accumulation dtype."""
     _check_block(q, k, kind, mask)
     trace.compute("backward", kind.value, q.shape[1], k.shape[1])
-    if _use_aten(q, kind, backend):
-        lse32 = lse.to(torch.float32) if q.dtype != torch.float64 else lse
-        dq, dk, dv = _aten_backward(dout, q, k, v, out, lse32, kind == BlockKind.CAUSAL, scale)
-        acc = acc_dtype(q.dtype)
-        return dq.to(acc), dk.to(acc), dv.to(acc)
-    return _math_backward(dout, q, k, v, out, lse, kind, scale, mask)
+    return _run_backward(kernel_for(q, kind, backend), dout, q, k, v, out, lse, kind, scale, mask, None)

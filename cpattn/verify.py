@@ -582,7 +582,7 @@ def check(case: Case, per_rank: list) -> CaseResult:
         res.errors[q] = rel_error(got[q], ref[q])
         res.tolerances[q] = 2 * e_local[q] + 1e-6
     res.comm_mismatches = _compare_comm(members) + _compare_levels(case, members)
-    res.levels = {r["rank"]: r["levels"] for r in members}
+    res.levels = {r["rank"]: r.get("levels", {}) for r in members}
     res.spec_mismatches = _compare_spec(members)
     res.exact_violations = _exact_checks(members, got, allowed)
     return res

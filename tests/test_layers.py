@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cpattn"
-CORE = {"masks", "layout", "blocks", "kernels", "merge", "comm", "trace", "topology", "steps", "pairs"}
+CORE = {"masks", "layout", "blocks", "kernels", "kernels_cuda", "merge", "comm", "trace", "topology", "steps", "pairs"}
 LAYERS = {"core": 1, "schedules": 2, "model": 3, "tools": 4}
 
 
@@ -101,7 +101,8 @@ def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("module,layer", [("cpattn.comm", 1), ("cpattn.steps", 1), ("cpattn.schedules.ring", 2),
                                           ("cpattn.cost.estimate", 3), ("cpattn.planner.build", 3),
-                                          ("cpattn.api", 4), ("cpattn.cli.plan", 4), ("cpattn", 4)])
+                                          ("cpattn.api", 4), ("cpattn.cli.plan", 4), ("cpattn.distributed", 4),
+                                          ("cpattn", 4)])
 def test_layer_names(module, layer):
     assert layer_of(module) == layer
 

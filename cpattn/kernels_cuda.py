@@ -1,0 +1,246 @@
+"""The CUDA kernel paths behind the kernel contract (:mod:`cpattn.kernels`): thin wrappers of PyTorch's
+fused attention ops that return the log-sum-exp, of FlexAttention, and of the optional flash-attn
+package.
+
+Every wrapper takes ``q [b, s_q, h, d]``, ``k, v [b, s_kv, h_kv, d]`` and returns ``out [b, s_q, h, d]``
+(input dtype) and ``lse [b, h, s_q]`` (float32, natural log) forward, ``dq, dk, dv`` (input dtype)
+backward; :mod:`cpattn.kernels` casts to the accumulation dtype and expands key/value heads for the ops
+without grouped-query support (``efficient_cuda``, ``cudnn_cuda``). The backward wrappers take the
+row's *final* ``out`` and ``lse`` (after every block is merged), which the fused ops accept as inputs.
+
+What each op assumes, and how it is met here:
+
+- ``aten._scaled_dot_product_flash_attention``: ``[b, h, s, d]`` views with unit stride in ``d``;
+  ``lse [b, h, s_q]``; grouped-query heads natively. Its backward treats a *defined* ``cum_seq_q`` as
+  variable-length input, so the dense call passes None (an undefined tensor).
+- ``aten._scaled_dot_product_efficient_attention``: ``lse`` padded to a multiple of 32 rows
+  (:data:`EFFICIENT_LSE_ALIGN`): sliced to ``s_q`` forward, padded back for the backward.
+- ``aten._scaled_dot_product_cudnn_attention``: ``lse [b, h, s_q, 1]``: squeezed forward, unsqueezed back
+  for the backward; ``out`` and ``dout`` given the same (contiguous ``[b, s, h, d]``) layout.
+- causal flags: CAUSAL blocks are square, where the top-left convention (efficient op) and the
+  bottom-right one (flash, cuDNN, flash-attn) coincide.
+- dropout is always 0: the random-state tensors the backward ops take are placeholders, taken once per
+  device from a real forward call so their dtype, shape and device are what this torch build expects.
+
+PARTIAL blocks run FlexAttention with a block mask built from the block's dense boolean mask, compiled
+once per process with ``torch.compile``. Its backward has no way to take an external ``out`` and
+``lse``, so :func:`grads_through_block` recomputes the block under autograd and feeds it gradients
+that turn the block's own softmax into the row's final one (derivation in its docstring).
+
+None of this has run on a GPU yet: ``scripts/gpu_check.py`` checks every path (docs/cuda.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from collections.abc import Callable
+from functools import cache
+
+import torch
+
+from .masks import BlockKind
+
+#: the memory-efficient op pads lse to this many rows (ROCm builds do not pad)
+EFFICIENT_LSE_ALIGN = 32
+
+_aten = torch.ops.aten
+
+
+def trim_lse(lse: torch.Tensor, s_q: int) -> torch.Tensor:
+    """An op's lse (``[b, h, >= s_q]`` or ``[b, h, s_q, 1]``) as ``[b, h, s_q]``."""
+    if lse.dim() == 4:
+        lse = lse.squeeze(-1)
+    return lse[:, :, :s_q]
+
+
+def pad_lse(lse: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``[b, h, s] -> [b, h, ceil(s / multiple) * multiple]``, contiguous float32, zero in the padding
+    rows (which the ops never read)."""
+    lse = lse.to(torch.float32)
+    pad = -lse.shape[-1] % multiple
+    return torch.nn.functional.pad(lse, (0, pad)).contiguous()
+
+
+def _bhsd(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """``[b, s, h, d]`` tensors as contiguous-backed ``[b, h, s, d]`` views, all in the same layout."""
+    return [x.contiguous().transpose(1, 2) for x in xs]
+
+
+@cache
+def _rng_placeholders(op: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seed, offset) as a forward call of ``op`` on ``device`` returns them (used only with dropout)."""
+    x = torch.zeros(1, 1, 8, 16, dtype=torch.float16, device=device)
+    if op == "flash":
+        res = _aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+        return res[6], res[7]
+    if op == "efficient":
+        res = _aten._scaled_dot_product_efficient_attention(x, x, x, None, True, 0.0, False)
+        return res[2], res[3]
+    res = _aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+    return res[6], res[7]
+
+
+# ------------------------------------------------------------------------------ aten flash (CUDA)
+def flash_forward(q, k, v, kind, scale, mask):
+    qt, kt, vt = _bhsd(q, k, v)
+    res = _aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, kind == BlockKind.CAUSAL, False, scale=scale)
+    return res[0].transpose(1, 2), trim_lse(res[1], q.shape[1])
+
+
+def flash_backward(dout, q, k, v, out, lse, kind, scale, mask):
+    qt, kt, vt, ot, dt = _bhsd(q, k, v, out.to(q.dtype), dout.to(q.dtype))
+    seed, offset = _rng_placeholders("flash", q.device)
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        dt, qt, kt, vt, ot, lse.to(torch.float32).contiguous(), None, None, q.shape[1], k.shape[1], 0.0,
+        kind == BlockKind.CAUSAL, seed, offset, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------ memory-efficient
+def efficient_forward(q, k, v, kind, scale, mask):
+    qt, kt, vt = _bhsd(q, k, v)
+    res = _aten._scaled_dot_product_efficient_attention(qt, kt, vt, None, True, 0.0, kind == BlockKind.CAUSAL,
+                                                         scale=scale)
+    return res[0].transpose(1, 2), trim_lse(res[1], q.shape[1])
+
+
+def efficient_backward(dout, q, k, v, out, lse, kind, scale, mask):
+    qt, kt, vt, ot, dt = _bhsd(q, k, v, out.to(q.dtype), dout.to(q.dtype))
+    seed, offset = _rng_placeholders("efficient", q.device)
+    align = 1 if torch.version.hip else EFFICIENT_LSE_ALIGN
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        dt, qt, kt, vt, None, ot, pad_lse(lse, align), seed, offset, 0.0, [True, True, True, False],
+        kind == BlockKind.CAUSAL, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------ cuDNN
+def cudnn_forward(q, k, v, kind, scale, mask):
+    qt, kt, vt = _bhsd(q, k, v)
+    res = _aten._scaled_dot_product_cudnn_attention(qt, kt, vt, None, True, 0.0, kind == BlockKind.CAUSAL, False,
+                                                    scale=scale)
+    return res[0].transpose(1, 2), trim_lse(res[1], q.shape[1])
+
+
+def cudnn_backward(dout, q, k, v, out, lse, kind, scale, mask):
+    qt, kt, vt, ot, dt = _bhsd(q, k, v, out.to(q.dtype), dout.to(q.dtype))
+    seed, offset = _rng_placeholders("cudnn", q.device)
+    lse4 = lse.to(torch.float32).unsqueeze(-1).contiguous()
+    dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+        dt, qt, kt, vt, ot, lse4, seed, offset, None, None, None, q.shape[1], k.shape[1], 0.0,
+        kind == BlockKind.CAUSAL, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# ------------------------------------------------------------------------------ FlexAttention
+@cache
+def _compiled_flex() -> Callable:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _block_mask(mask: torch.Tensor, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dense = mask.to(device)
+    return create_block_mask(lambda b, h, q_idx, kv_idx: dense[q_idx, kv_idx], None, None,
+                             dense.shape[0], dense.shape[1], device=device)
+
+
+def flex_supported() -> bool:
+    """Whether FlexAttention can run here: Triton to compile it and a torch that returns its lse
+    through ``AuxRequest``."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flex_block(q, k, v, mask, scale, compiled: bool = True):
+    """FlexAttention of one PARTIAL block, differentiable: ``(out [b, s_q, h, d], lse [b, h, s_q])``.
+    Rows with no allowed key give out 0 and lse -inf whatever the kernel leaves there.
+    ``compiled=False`` runs the unfused implementation (the only one on the CPU, forward only)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    fn = _compiled_flex() if compiled else flex_attention
+    qt, kt, vt = _bhsd(q, k, v)
+    # the Triton backend is the one whose backward accepts a gradient of lse (grads_through_block)
+    out, aux = fn(qt, kt, vt, block_mask=_block_mask(mask, q.device), scale=scale,
+                  enable_gqa=k.shape[2] != q.shape[2], return_aux=AuxRequest(lse=True),
+                  kernel_options={"BACKEND": "TRITON"})
+    empty = ~mask.to(q.device).any(1)
+    return out.transpose(1, 2).masked_fill(empty[:, None, None], 0.0), aux.lse.masked_fill(empty, float("-inf"))
+
+
+def flex_forward(q, k, v, kind, scale, mask, compiled: bool = True):
+    with torch.no_grad():
+        return flex_block(q, k, v, mask, scale, compiled)
+
+
+def flex_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = True):
+    dq, dk, dv = grads_through_block(lambda a, b, c: flex_block(a, b, c, mask, scale, compiled),
+                                     dout, q, k, v, out, lse)
+    empty = ~mask.to(q.device).any(1)
+    return dq.masked_fill(empty[:, None, None], 0.0), dk, dv
+
+
+def grads_through_block(block: Callable, dout, q, k, v, out, lse):
+    """dq, dk, dv of one block from a differentiable ``block(q, k, v) -> (o_b, lse_b)`` that knows only
+    its own keys, given the row's final ``out`` and ``lse``.
+
+    The row's probabilities are ``P = w * P_b`` with ``w = exp(lse_b - lse)``, and the contract's
+    gradient of the scores is ``dS = P * (dout . v_j - dout . out)``. Back-propagating ``g_out``
+    into ``o_b`` and ``g_lse`` into ``lse_b`` gives ``dS_b = P_b * (g_out . v_j - g_out . o_b + g_lse)``,
+    which equals ``dS`` for ``g_out = w * dout`` and ``g_lse = w * dout . (o_b - out)``."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.enable_grad():
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        o_b, lse_b = block(qg, kg, vg)
+        final = lse.to(acc)
+        w = torch.exp(lse_b.detach().to(acc) - final.masked_fill(torch.isinf(final), 0.0))
+        w = w.masked_fill(torch.isinf(final), 0.0).transpose(1, 2).unsqueeze(-1)  # [b, s_q, h, 1]
+        do = dout.to(acc)
+        g_out = w * do
+        g_lse = (g_out * (o_b.detach().to(acc) - out.to(acc))).sum(-1).transpose(1, 2)
+        return torch.autograd.grad((o_b, lse_b), (qg, kg, vg), (g_out.to(o_b.dtype), g_lse.to(lse_b.dtype)))
+
+
+# ------------------------------------------------------------------------------ flash-attn package
+def flash_attn_forward(q, k, v, kind, scale, mask):
+    from flash_attn import flash_attn_func
+
+    with torch.no_grad():
+        out, lse, _ = flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), 0.0, scale,
+                                      kind == BlockKind.CAUSAL, return_attn_probs=True)
+    return out, trim_lse(lse, q.shape[1])
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, kind, scale, mask):
+    from flash_attn import flash_attn_interface
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    values = {"dout": dout.to(q.dtype).contiguous(), "q": q, "k": k, "v": v, "out": out.to(q.dtype).contiguous(),
+              "softmax_lse": lse.to(torch.float32).contiguous(), "dq": dq, "dk": dk, "dv": dv,
+              "dropout_p": 0.0, "softmax_scale": scale, "causal": kind == BlockKind.CAUSAL,
+              "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1, "softcap": 0.0,
+              "alibi_slopes": None, "deterministic": False, "rng_state": None}
+    flash_attn_call(flash_attn_interface._flash_attn_backward, values)
+    return dq, dk, dv
+
+
+def flash_attn_call(fn: Callable, values: dict):
+    """Call a flash-attn internal function with the arguments its signature names (they changed
+    between releases: ``window_size`` became ``window_size_left`` / ``_right``, ``softcap`` appeared);
+    a parameter with no value here raises TypeError naming it."""
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    missing = [n for n, p in params.items() if n not in values and p.default is inspect.Parameter.empty]
+    if missing:
+        raise TypeError(f"flash_attn's {getattr(fn, '__name__', fn)} takes arguments cpattn does not know: "
+                        f"{', '.join(missing)}")
+    return fn(**{n: values[n] for n in params if n in values})

@@ -1,0 +1,323 @@
+"""The kernel dispatch (cpattn.kernels.choose_kernel and friends) and the pieces of the CUDA paths that
+run without a GPU: grouped-query expansion and reduction, lse trimming and padding, the backward through
+a differentiable block, FlexAttention's unfused forward, the op calls on meta tensors, and
+scripts/gpu_check.py's command line. The CUDA kernels themselves are checked by scripts/gpu_check.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpattn import kernels, kernels_cuda
+from cpattn.masks import BlockKind
+
+FULL, CAUSAL, PARTIAL, EMPTY = BlockKind.FULL, BlockKind.CAUSAL, BlockKind.PARTIAL, BlockKind.EMPTY
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+CPU = frozenset({"flash_cpu", "math"})
+GPU = frozenset({"flash_cuda", "cudnn_cuda", "efficient_cuda", "flex_cuda", "math"})
+GPU_FA = GPU | {"flash_attn"}
+NO_FLASH = GPU - {"flash_cuda"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------ the table
+TABLE = [
+    # device, dtype, head_dim, kind, available, backend -> path
+    ("cpu", BF16, 64, FULL, CPU, "auto", "flash_cpu"),
+    ("cpu", F64, 64, CAUSAL, CPU, "aten", "flash_cpu"),
+    ("cpu", F32, 12, CAUSAL, CPU, "auto", "flash_cpu"),
+    ("cpu", F32, 64, PARTIAL, CPU, "auto", "math"),
+    ("cpu", F32, 64, FULL, CPU, "math", "math"),
+    ("cpu", BF16, 64, FULL, CPU | {"flash_attn"}, "flash_attn", "flash_cpu"),  # flash-attn is CUDA only
+    ("cuda", BF16, 128, FULL, GPU, "auto", "flash_cuda"),
+    ("cuda", F16, 256, CAUSAL, GPU, "aten", "flash_cuda"),
+    ("cuda", BF16, 128, CAUSAL, GPU, "math", "math"),
+    ("cuda", F32, 128, FULL, GPU, "auto", "efficient_cuda"),  # flash and cuDNN are half precision only
+    ("cuda", F32, 12, FULL, GPU, "aten", "efficient_cuda"),  # float32 rows align to 4
+    ("cuda", F16, 12, FULL, GPU, "auto", "math"),  # half rows align to 8 on every fused op
+    ("cuda", BF16, 264, FULL, GPU, "auto", "math"),  # above every op's head-dim limit
+    ("cuda", F64, 64, FULL, GPU, "auto", "math"),
+    ("cuda", BF16, 128, FULL, NO_FLASH, "auto", "cudnn_cuda"),  # flash switched off: cuDNN next
+    ("cuda", BF16, 192, FULL, NO_FLASH, "auto", "efficient_cuda"),  # cuDNN stops at 128
+    ("cuda", BF16, 128, FULL, frozenset({"efficient_cuda", "math"}), "auto", "efficient_cuda"),
+    ("cuda", BF16, 64, PARTIAL, GPU, "auto", "flex_cuda"),
+    ("cuda", F32, 64, PARTIAL, GPU, "aten", "flex_cuda"),
+    ("cuda", BF16, 8, PARTIAL, GPU, "auto", "math"),  # Flex needs head_dim >= 16
+    ("cuda", BF16, 64, PARTIAL, GPU - {"flex_cuda"}, "auto", "math"),
+    ("cuda", BF16, 64, PARTIAL, GPU, "math", "math"),
+    ("cuda", BF16, 128, CAUSAL, GPU_FA, "flash_attn", "flash_attn"),
+    ("cuda", BF16, 128, CAUSAL, GPU_FA, "auto", "flash_cuda"),  # flash-attn only when asked for
+    ("cuda", F32, 128, FULL, GPU_FA, "flash_attn", "efficient_cuda"),  # does not fit: the aten order
+    ("cuda", BF16, 12, FULL, GPU_FA, "flash_attn", "math"),
+    ("cuda", BF16, 64, PARTIAL, GPU_FA, "flash_attn", "flex_cuda"),
+    ("mps", F32, 64, FULL, frozenset({"math"}), "auto", "math"),
+    ("cuda", BF16, 128, FULL, frozenset({"math"}), "auto", "math"),
+]
+
+
+@pytest.mark.parametrize("device,dtype,head_dim,kind,available,backend,want", TABLE)
+def test_dispatch_table(device, dtype, head_dim, kind, available, backend, want):
+    assert kernels.choose_kernel(device, dtype, head_dim, kind, available, backend) == want
+
+
+def test_every_path_is_reachable_and_named():
+    reached = {row[-1] for row in TABLE}
+    assert reached == set(kernels.PATHS)
+    for path in kernels.PATHS:
+        assert path in kernels._FORWARD and path in kernels._BACKWARD
+
+
+@pytest.mark.parametrize("device,dtype,head_dim,available,backend,error,match", [
+    ("cuda", F64, 64, GPU, "aten", ValueError, "no fused CUDA kernel"),
+    ("cuda", BF16, 12, frozenset({"math"}), "aten", ValueError, "backend='aten'"),
+    ("mps", F32, 64, frozenset({"math"}), "aten", ValueError, "does not run on device 'mps'"),
+    ("cuda", BF16, 128, GPU, "flash_attn", ImportError, "flash_attn package"),
+    ("cuda", BF16, 128, GPU, "cudnn", ValueError, "unknown"),
+    ("cuda", BF16, 128, GPU, "flex", NotImplementedError, "PARTIAL blocks"),
+])
+def test_dispatch_errors(device, dtype, head_dim, available, backend, error, match):
+    with pytest.raises(error, match=match):
+        kernels.choose_kernel(device, dtype, head_dim, FULL, available, backend)
+
+
+def test_dispatch_rejects_empty_blocks():
+    with pytest.raises(ValueError, match="EMPTY"):
+        kernels.choose_kernel("cuda", BF16, 64, EMPTY, GPU)
+
+
+def test_kernel_fits_limits():
+    assert kernels.kernel_fits("flash_cuda", BF16, 256) and not kernels.kernel_fits("flash_cuda", BF16, 264)
+    assert not kernels.kernel_fits("flash_cuda", F32, 64) and not kernels.kernel_fits("flash_cuda", F16, 60)
+    assert kernels.kernel_fits("cudnn_cuda", F16, 128) and not kernels.kernel_fits("cudnn_cuda", F16, 136)
+    assert kernels.kernel_fits("efficient_cuda", F32, 60) and not kernels.kernel_fits("efficient_cuda", F16, 60)
+    assert not kernels.kernel_fits("efficient_cuda", F64, 64)
+    assert kernels.kernel_fits("flex_cuda", F32, 16) and not kernels.kernel_fits("flex_cuda", F32, 8)
+    assert kernels.kernel_fits("math", F64, 3) and kernels.kernel_fits("flash_cpu", F64, 3)
+    with pytest.raises(ValueError, match="unknown"):
+        kernels.kernel_fits("triton", BF16, 64)
+
+
+def test_check_backend_names_the_missing_package(monkeypatch):
+    real = importlib.util.find_spec
+    for installed in (False, True):
+        found = object() if installed else None
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, f=found: f if n == "flash_attn" else real(n, *a))
+        if installed:
+            kernels.check_backend("flash_attn")
+        else:
+            with pytest.raises(ImportError, match="flash_attn package"):
+                kernels.check_backend("flash_attn")
+    for ok in ("auto", "aten", "math"):
+        kernels.check_backend(ok)
+    with pytest.raises(NotImplementedError):
+        kernels.check_backend("flex")
+    with pytest.raises(ValueError):
+        kernels.check_backend("cudnn")
+
+
+def test_available_kernels_off_cuda():
+    assert kernels.available_kernels(torch.device("cpu")) == CPU
+    assert kernels.available_kernels(torch.device("meta")) == frozenset({"math"})
+
+
+@pytest.mark.parametrize("capability,flash,cudnn,flex,fa,want", [
+    ((9, 0), True, 90100, True, True, GPU_FA),
+    ((9, 0), False, 8900, False, False, frozenset({"efficient_cuda", "math"})),
+    ((7, 5), True, 90100, True, True, frozenset({"efficient_cuda", "math"})),  # pre-Ampere
+])
+def test_available_kernels_on_cuda(monkeypatch, capability, flash, cudnn, flex, fa, want):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: flash)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    monkeypatch.setattr(kernels_cuda, "flex_supported", lambda: flex)
+    found = object() if fa else None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: found if n == "flash_attn" else real(n, *a))
+    kernels._cuda_paths.cache_clear()
+    try:
+        assert kernels.available_kernels(torch.device("cuda", 0)) == want
+        # the SDPA switches users already know take fused kernels out of the dispatch
+        monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: False)
+        monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
+        assert kernels.available_kernels(torch.device("cuda", 0)) == want - {"flash_cuda", "cudnn_cuda"}
+    finally:
+        kernels._cuda_paths.cache_clear()
+
+
+# ------------------------------------------------------------------------------------ GQA helpers
+def test_expand_kv_is_repeat_interleave_and_reduce_is_its_adjoint():
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 3, 8, dtype=F64, requires_grad=True)
+    y = kernels.expand_kv(x, 4)
+    assert torch.equal(y, x.repeat_interleave(4, dim=2))
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.allclose(kernels.reduce_kv_grad(g, 4), x.grad, atol=1e-12)
+    assert kernels.expand_kv(x, 1) is x
+    assert kernels.reduce_kv_grad(g.to(BF16), 4).dtype == F32  # summed in the accumulation dtype
+
+
+def _inputs(dtype, sq=24, sk=24, h=8, hkv=2, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, sq, h, d, generator=gen).to(dtype)
+    k = torch.randn(2, sk, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(2, sk, hkv, d, generator=gen).to(dtype)
+    dout = torch.randn(2, sq, h, d, generator=gen).to(dtype)
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("dtype,tol", [(F64, 1e-10), (F32, 2e-5)])
+@pytest.mark.parametrize("kind", [FULL, CAUSAL])
+@pytest.mark.parametrize("hkv", [8, 2, 1])
+def test_expanded_kv_around_the_cpu_kernel_matches_math(dtype, tol, kind, hkv):
+    """The expand-then-reduce wrapper the ops without native GQA get, run around the CPU flash op."""
+    q, k, v, dout = _inputs(dtype, hkv=hkv, seed=hkv)
+    ref_o, ref_l = kernels.forward_with("math", q, k, v, kind, 0.3)
+    ref = kernels.backward_with("math", dout, q, k, v, ref_o.to(dtype), ref_l, kind, 0.3)
+    for expand in (True, False):
+        o, lse = kernels.forward_with("flash_cpu", q, k, v, kind, 0.3, expand=expand)
+        assert torch.allclose(o, ref_o, atol=tol) and torch.allclose(lse, ref_l, atol=tol)
+        grads = kernels.backward_with("flash_cpu", dout, q, k, v, o.to(dtype), lse, kind, 0.3, expand=expand)
+        for got, want in zip(grads, ref):
+            assert got.dtype == kernels.acc_dtype(dtype) and got.shape == want.shape
+            assert torch.allclose(got, want, atol=tol * 10), (expand, (got - want).abs().max())
+
+
+def test_cpu_dispatch_is_the_cpu_flash_op():
+    """CPU behaviour is unchanged: FULL and CAUSAL blocks run the CPU flash op, bit for bit."""
+    q, k, v, _ = _inputs(BF16, hkv=2)
+    assert kernels.kernel_for(q, CAUSAL) == "flash_cpu" and kernels.kernel_for(q, PARTIAL) == "math"
+    out, lse = kernels.forward(q, k, v, CAUSAL, 0.25)
+    want_o, want_l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=0.25)
+    assert torch.equal(out, want_o.transpose(1, 2).float()) and torch.equal(lse, want_l.float())
+
+
+# ------------------------------------------------------------------------------------ lse helpers
+def test_trim_and_pad_lse():
+    lse = torch.randn(2, 3, 40)
+    padded = kernels_cuda.pad_lse(lse, 32)
+    assert padded.shape == (2, 3, 64) and padded.is_contiguous() and padded.dtype == F32
+    assert torch.equal(padded[:, :, :40], lse) and bool((padded[:, :, 40:] == 0).all())
+    assert torch.equal(kernels_cuda.trim_lse(padded, 40), lse)
+    assert torch.equal(kernels_cuda.trim_lse(lse.unsqueeze(-1), 40), lse)  # cuDNN's [b, h, s, 1]
+    assert kernels_cuda.pad_lse(torch.randn(1, 1, 64), 32).shape == (1, 1, 64)
+    assert kernels_cuda.pad_lse(lse, 1).shape == lse.shape
+
+
+# ------------------------------------------------------------------------------------ block backward
+def _masked_block(allowed, scale):
+    """A plain differentiable block: (out, lse) of q against k, v under ``allowed [s_q, s_kv]``."""
+    def block(q, k, v):
+        g = q.shape[2] // k.shape[2]
+        kr, vr = kernels.expand_kv(k, g), kernels.expand_kv(v, g)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+        s = s.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse.masked_fill(lse.isinf(), 0.0).unsqueeze(-1))
+        return torch.einsum("bhqk,bkhd->bqhd", p, vr), lse
+    return block
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_grads_through_block_add_up_to_the_row(hkv):
+    """Split a row's keys over two PARTIAL blocks: each block's gradients from the final out and lse
+    (the recompute-and-reweight backward Flex uses) sum to the whole row's, empty rows included."""
+    q, k, v, dout = _inputs(F64, sq=20, sk=30, h=4, hkv=hkv, seed=7)
+    allowed = torch.rand(20, 30, generator=torch.Generator().manual_seed(1)) < 0.5
+    allowed[4] = False  # empty everywhere
+    allowed[6, :15] = False  # empty in the first block only
+    allowed[9, 15:] = False  # empty in the second block only
+    out, lse = kernels.forward_with("math", q, k, v, PARTIAL, 0.4, allowed)
+    want = kernels.backward_with("math", dout, q, k, v, out, lse, PARTIAL, 0.4, allowed)
+    total = [0.0, torch.zeros_like(want[1]), torch.zeros_like(want[2])]
+    for cols in (slice(0, 15), slice(15, 30)):
+        dq, dk, dv = kernels_cuda.grads_through_block(_masked_block(allowed[:, cols], 0.4), dout, q,
+                                                      k[:, cols], v[:, cols], out, lse)
+        assert not any(t.isnan().any() for t in (dq, dk, dv))
+        total[0] = total[0] + dq
+        total[1][:, cols] += dk
+        total[2][:, cols] += dv
+    for got, ref in zip(total, want):
+        assert torch.allclose(got, ref, atol=1e-10)
+    assert bool((total[0][:, 4] == 0).all())
+
+
+# ------------------------------------------------------------------------------------ Flex on the CPU
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_flex_forward_unfused_matches_math(hkv):
+    """The Flex wrapper (block mask from the dense mask, lse, empty rows) on its unfused CPU
+    implementation; the CUDA run compiles the same call."""
+    q, k, v, _ = _inputs(F32, sq=40, sk=70, h=4, hkv=hkv, d=16, seed=2)
+    allowed = torch.rand(40, 70, generator=torch.Generator().manual_seed(5)) < 0.3
+    allowed[3] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, lse = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+    ref_o, ref_l = kernels.forward_with("math", q, k, v, PARTIAL, 0.3, allowed)
+    assert out.shape == ref_o.shape and lse.shape == ref_l.shape
+    assert torch.allclose(out.float(), ref_o, atol=1e-5)
+    assert torch.equal(lse.isinf(), ref_l.isinf()) and bool(torch.isneginf(lse[:, :, 3]).all())
+    assert torch.allclose(lse[~lse.isinf()], ref_l[~ref_l.isinf()], atol=1e-5)
+    assert bool((out[:, 3] == 0).all())
+
+
+# ------------------------------------------------------------------------------------ ops on meta tensors
+@pytest.mark.parametrize("path", ["flash_cuda", "efficient_cuda", "cudnn_cuda"])
+@pytest.mark.parametrize("kind", [FULL, CAUSAL])
+def test_cuda_op_calls_on_meta_tensors(path, kind):
+    """Argument order, undefined tensors, lse shapes and the GQA expansion of every fused CUDA op,
+    through PyTorch's shape functions for those ops (no GPU needed)."""
+    b, s, h, hkv, d = 2, 40, 8, 2, 64
+    q = torch.empty(b, s, h, d, dtype=BF16, device="meta")
+    k = torch.empty(b, s, hkv, d, dtype=BF16, device="meta")
+    out, lse = kernels.forward_with(path, q, k, k, kind, 0.125)
+    assert out.shape == (b, s, h, d) and out.dtype == F32 and lse.shape == (b, h, s) and lse.dtype == F32
+    dq, dk, dv = kernels.backward_with(path, q, q, k, k, out.to(BF16), lse, kind, 0.125)
+    assert dq.shape == (b, s, h, d) and dk.shape == dv.shape == (b, s, hkv, d)
+    assert dq.dtype == dk.dtype == F32
+
+
+# ------------------------------------------------------------------------------------ flash-attn calls
+def test_flash_attn_call_follows_the_signature():
+    values = {"q": 1, "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1, "softcap": 0.0}
+
+    def v26(q, window_size, alibi_slopes=None):
+        return ("v26", q, window_size)
+
+    def v27(q, window_size_left, window_size_right, softcap):
+        return ("v27", q, window_size_left, window_size_right, softcap)
+
+    class CustomOp:  # flash-attn >= 2.7 wraps its functions in torch custom ops
+        _init_fn = staticmethod(v27)
+
+        def __call__(self, **kw):
+            return v27(**kw)
+
+    assert kernels_cuda.flash_attn_call(v26, values) == ("v26", 1, (-1, -1))
+    assert kernels_cuda.flash_attn_call(CustomOp(), values) == ("v27", 1, -1, -1, 0.0)
+
+    def v99(q, new_argument):
+        return q
+
+    with pytest.raises(TypeError, match="new_argument"):
+        kernels_cuda.flash_attn_call(v99, values)
+
+
+# ------------------------------------------------------------------------------------ the GPU script
+def test_gpu_check_help_and_clear_exit_without_cuda():
+    script = ROOT / "scripts" / "gpu_check.py"
+    res = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0 and "--out" in res.stdout, res.stderr
+    if torch.cuda.is_available():
+        return
+    res = subprocess.run([sys.executable, str(script), "--out", "/dev/null"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert res.returncode == 2 and "CUDA" in res.stderr and "Traceback" not in res.stderr, res.stderr
