@@ -4,7 +4,14 @@ A :class:`LocalWorld` starts ``size`` worker processes once (starting a world co
 runs any number of *cases* on them: ``world.run(fn, **kwargs)`` calls the importable, module-level
 ``fn(**kwargs)`` on every rank and returns the per-rank results. A case that raises on a rank returns
 that rank's error; a case that hangs past its timeout, or a worker that dies, shuts the whole world
-down and raises with the case's name, so nothing blocks.
+down and raises :class:`WorldError` with the case's name (and the lost rank), so nothing blocks.
+
+When a worker dies mid-call, the others are usually blocked in a collective with it. The parent notices
+the death within :data:`POLL_S`, asks the others to stop, and kills those still running after
+``stop_grace`` seconds: every rank has ended about ``stop_grace + POLL_S`` seconds after the death. The
+process-group timeout (``pg_timeout``, default :data:`DEFAULT_PG_TIMEOUT_S`) bounds a blocked gloo call
+on its own too, in place of gloo's 30-minute default, so a worker whose parent is gone does not wait on
+a dead peer for half an hour.
 """
 
 from __future__ import annotations
@@ -19,11 +26,17 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.multiprocessing as mp
 
 log = logging.getLogger(__name__)
+
+#: seconds a gloo call of a worker waits for its peers before it fails (gloo's own default is 30 min)
+DEFAULT_PG_TIMEOUT_S = 30.0
+#: seconds between the parent's checks that every worker is alive
+POLL_S = 0.2
 
 
 class WorldError(RuntimeError):
@@ -54,7 +67,8 @@ def _resolve(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _worker(rank: int, size: int, port: int, threads: int, env: dict, tasks, results) -> None:
+def _worker(rank: int, size: int, port: int, threads: int, env: dict, start_timeout: float, pg_timeout: float,
+            tasks, results) -> None:
     os.environ.update(env)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -62,7 +76,10 @@ def _worker(rank: int, size: int, port: int, threads: int, env: dict, tasks, res
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    # the rendezvous waits up to start_timeout (a loaded machine starts workers slowly); collectives
+    # wait up to pg_timeout
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timedelta(seconds=start_timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timedelta(seconds=pg_timeout))
     results.put(("ready", rank, None))
     try:
         while True:
@@ -81,20 +98,31 @@ def _worker(rank: int, size: int, port: int, threads: int, env: dict, tasks, res
 
 
 class LocalWorld:
-    """``size`` gloo processes on this machine, each with ``threads`` torch threads."""
+    """``size`` gloo processes on this machine, each with ``threads`` torch threads and ``env`` added to
+    its environment.
+
+    ``start_timeout``: seconds to wait for every worker to join the world. ``pg_timeout``: seconds a
+    worker's gloo call waits for its peers before it fails (:data:`DEFAULT_PG_TIMEOUT_S`). ``stop_grace``:
+    seconds the workers get to exit on their own when the world shuts down (after a case timed out, a
+    worker died, or :meth:`close`) before they are killed."""
 
     def __init__(self, size: int, threads: int = 1, env: dict[str, str] | None = None,
-                 start_timeout: float = 120.0) -> None:
+                 start_timeout: float = 120.0, pg_timeout: float = DEFAULT_PG_TIMEOUT_S,
+                 stop_grace: float = 3.0) -> None:
         if size < 1:
             raise ValueError(f"world size must be >= 1, got {size}")
+        if not pg_timeout > 0 or not stop_grace >= 0:
+            raise ValueError(f"pg_timeout must be > 0 and stop_grace >= 0, got {pg_timeout} and {stop_grace}")
         self.size, self.threads = size, threads
+        self.pg_timeout, self.stop_grace = float(pg_timeout), float(stop_grace)
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(size)]
         self._results = ctx.Queue()
         self._ids = itertools.count()
         port = free_port()
-        self._procs = [ctx.Process(target=_worker, args=(r, size, port, threads, dict(env or {}),
-                                                         self._tasks[r], self._results), daemon=True)
+        self._procs = [ctx.Process(target=_worker, args=(r, size, port, threads, dict(env or {}), start_timeout,
+                                                         self.pg_timeout, self._tasks[r], self._results),
+                                   daemon=True)
                        for r in range(size)]
         for p in self._procs:
             p.start()
@@ -108,14 +136,14 @@ class LocalWorld:
     def _get(self, deadline: float, what: str):
         while True:
             try:
-                return self._results.get(timeout=0.2)
+                return self._results.get(timeout=POLL_S)
             except queue.Empty:
                 pass
             dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
             if dead:
                 self.close()
-                raise WorldError(f"{what}: worker rank {dead[0][0]} exited with code {dead[0][1]}; "
-                                 f"all workers of the {self.size}-rank world were stopped")
+                lost = ", ".join(f"rank {r} exited with code {code}" for r, code in dead)
+                raise WorldError(f"{what}: worker {lost}; all workers of the {self.size}-rank world were stopped")
             if time.monotonic() > deadline:
                 self.close()
                 raise WorldError(f"{what}: timed out; all workers of the {self.size}-rank world were stopped")
@@ -146,7 +174,7 @@ class LocalWorld:
                 q.put_nowait(None)
             except Exception:  # a broken queue: the process is terminated below anyway
                 pass
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + self.stop_grace
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:

@@ -40,8 +40,8 @@ class PendingMerge:
         if self.comm.rank != self.owner:
             return None
         num, den, m = self.num, self.den, self.m
-        covered = den > 0
-        final = torch.where(covered, num / torch.where(covered, den, torch.ones_like(den)), torch.zeros_like(num))
+        uncovered = den == 0  # NaN (from NaN inputs) is covered: it propagates as on one device
+        final = torch.where(uncovered, torch.zeros_like(num), num / torch.where(uncovered, torch.ones_like(den), den))
         log_den = torch.log(den.squeeze(-1).transpose(1, 2))  # [b, h, s]; -inf where uncovered
         safe_m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         return final, log_den + safe_m

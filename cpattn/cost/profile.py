@@ -4,13 +4,16 @@ A profile holds kernel rates versus block shape, per-op link fits (alpha, bandwi
 collectives, the epilogue memory bandwidth, how much communication hides behind compute, and the
 conditions of the measurement (cores, ranks, threads per rank). It is plain JSON with a schema name
 and version; :func:`load` checks every field and raises :class:`ProfileError` naming the file and the
-field. The default location is ``$CPATTN_PROFILE``, else ``$XDG_CACHE_HOME/cpattn/profile.json``
-(``~/.cache/cpattn/profile.json``).
+field (:class:`ProfileVersionError` for a profile of another format version). The default location is
+``$CPATTN_PROFILE``, else ``$XDG_CACHE_HOME/cpattn/profile.json`` (``~/.cache/cpattn/profile.json``);
+:func:`load_default` ignores a corrupt file there with a warning (the conservative defaults apply) but
+refuses one of another version, which a newer or older cpattn wrote and ``cpattn calibrate`` replaces.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -23,9 +26,20 @@ SCHEMA = "cpattn-profile"
 VERSION = 1
 PROFILE_ENV = "CPATTN_PROFILE"
 
+log = logging.getLogger(__name__)
+
 
 class ProfileError(ValueError):
     """A profile file that is missing, unreadable, or not a valid profile of this version."""
+
+
+class ProfileVersionError(ProfileError):
+    """A profile of another format version (``found``) than this cpattn reads (``expected``)."""
+
+    def __init__(self, source: str, found, expected: int = VERSION) -> None:
+        self.source, self.found, self.expected = source, found, expected
+        super().__init__(f"{source}: calibration profile format version {found!r}, this cpattn reads version "
+                         f"{expected}; delete it or run `cpattn calibrate` to measure this machine again")
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,7 @@ def from_json(data, source: str = "profile") -> Profile:
     if top["schema"] != SCHEMA:
         raise ProfileError(f"{source}: schema is {top['schema']!r}, expected {SCHEMA!r}")
     if top["version"] != VERSION:
-        raise ProfileError(f"{source}: version {top['version']!r} is not supported (expected {VERSION}); "
-                           "run `cpattn calibrate` again")
+        raise ProfileVersionError(source, top["version"])
     if not isinstance(top["kernels"], list) or not top["kernels"]:
         raise ProfileError(f"{source}: kernels must be a non-empty list")
     kernels = []
@@ -147,6 +160,9 @@ def load(path: str | os.PathLike | None = None) -> Profile:
     except OSError as exc:
         raise ProfileError(f"cannot read the calibration profile {target}: {exc.strerror or exc}; "
                            "run `cpattn calibrate` to create it") from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{target} is not text ({exc.reason} at byte {exc.start}); "
+                           "run `cpattn calibrate` again") from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -156,10 +172,21 @@ def load(path: str | os.PathLike | None = None) -> Profile:
 
 
 def load_default() -> Profile | None:
-    """The profile at the default location, or None when there is none (a broken one still raises)."""
+    """The profile at the default location, or None when there is none. A corrupt one (unreadable, not
+    JSON, a field wrong) is ignored with a warning, so the conservative defaults apply; one of another
+    format version raises :class:`ProfileVersionError` (``cpattn calibrate`` replaces it)."""
     path = default_path()
-    return load(path) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        return load(path)
+    except ProfileVersionError:
+        raise
+    except ProfileError as exc:
+        log.warning("ignoring the calibration profile (%s): it is corrupt; using conservative defaults until "
+                    "`cpattn calibrate` writes a new one", exc)
+        return None
 
 
-__all__ = ["PROFILE_ENV", "SCHEMA", "VERSION", "Profile", "ProfileError", "default_path", "from_json", "load",
-           "load_default", "save"]
+__all__ = ["PROFILE_ENV", "SCHEMA", "VERSION", "Profile", "ProfileError", "ProfileVersionError", "default_path",
+           "from_json", "load", "load_default", "save"]

@@ -6,9 +6,9 @@ Modules: :mod:`.model` (the plan and its JSON), :mod:`.build` (making one), :mod
 
 from .block_table import BlockTable
 from .build import Request, build_plan, choose_order, request
-from .cache import CACHE_ENV, cache_dir, get_plan, load_plan, save_plan
+from .cache import CACHE_ENV, PlanVersionError, cache_dir, get_plan, load_plan, save_plan
 from .model import Plan, PlanOptions
 from .validate import validate
 
-__all__ = ["CACHE_ENV", "BlockTable", "Plan", "PlanOptions", "Request", "build_plan", "cache_dir", "choose_order",
-           "get_plan", "load_plan", "request", "save_plan", "validate"]
+__all__ = ["CACHE_ENV", "BlockTable", "Plan", "PlanOptions", "PlanVersionError", "Request", "build_plan", "cache_dir",
+           "choose_order", "get_plan", "load_plan", "request", "save_plan", "validate"]

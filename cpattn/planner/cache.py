@@ -2,8 +2,9 @@
 
 :func:`get_plan` returns the plan of a :class:`~cpattn.planner.build.Request` from
 :func:`cache_dir` when a valid file for its key is there, else builds and stores it. Files are
-checked on load (:meth:`~cpattn.planner.model.Plan.from_json`); a corrupt or stale one is rebuilt
-with a warning.
+checked on load (:meth:`~cpattn.planner.model.Plan.from_json`); a corrupt or stale one, or one of
+another format version, is rebuilt with a warning (a cache is disposable). :func:`load_plan` of a file
+the user names refuses one of another format version with :class:`PlanVersionError`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,33 @@ import os
 from pathlib import Path
 
 from .build import Request, build_plan
-from .model import Plan
+from .model import SCHEMA, SCHEMA_VERSION, Plan
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "CPATTN_CACHE_DIR"
+
+
+class PlanVersionError(ValueError):
+    """A plan file written in another format version than this cpattn reads (``found``, ``expected``)."""
+
+    def __init__(self, path: str | Path, found: int, expected: int = SCHEMA_VERSION) -> None:
+        self.path, self.found, self.expected = str(path), found, expected
+        super().__init__(f"plan {path} has format version {found}, this cpattn reads version {expected}: "
+                         "delete the file, or write it again with this cpattn (`cpattn plan ... --json PATH`)")
+
+
+def _format_version(text: str) -> int | None:
+    """The ``version`` of a JSON object that says it is a plan; None for anything else (then the full
+    check of :meth:`Plan.from_json` says what is wrong)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return None
+    version = data.get("version")
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 def cache_dir() -> Path:
@@ -30,11 +53,15 @@ def cache_dir() -> Path:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read and validate a plan file (ValueError naming the file when it is not a valid plan)."""
+    """Read and validate a plan file (ValueError naming the file when it is not a valid plan;
+    :class:`PlanVersionError`, a ValueError, when it is a plan of another format version)."""
     try:
         text = Path(path).read_text()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read plan {path}: {exc}") from exc
+    found = _format_version(text)
+    if found is not None and found != SCHEMA_VERSION:
+        raise PlanVersionError(path, found)
     try:
         return Plan.from_json(text)
     except ValueError as exc:
@@ -52,7 +79,8 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def get_plan(req: Request, cache: bool = True, directory: str | Path | None = None) -> Plan:
     """The plan for ``req``: from the cache when a valid file for its key exists, else built (and
-    stored when ``cache``). A corrupt or stale file is rebuilt with a warning."""
+    stored when ``cache``). A corrupt or stale file, or one of another format version, is rebuilt
+    (and overwritten) with a warning."""
     path = Path(directory or cache_dir()) / f"{req.digest()}.json"
     if cache and path.exists():
         try:
@@ -60,6 +88,9 @@ def get_plan(req: Request, cache: bool = True, directory: str | Path | None = No
             if plan.key != json.loads(json.dumps(req.key())):
                 raise ValueError("its problem key differs (stale)")
             return plan
+        except PlanVersionError as exc:
+            log.warning("rebuilding the cached plan %s: it has format version %s, this cpattn reads version %s",
+                        path, exc.found, exc.expected)
         except ValueError as exc:
             log.warning("rebuilding the cached plan %s: %s", path, exc)
     plan = build_plan(req)
