@@ -1,0 +1,182 @@
+"""Masks given by a predicate (``cpattn.masks.from_mask_mod``) for the fuzz tests (tests/test_fuzz.py).
+
+A ``verify.Case`` names its mask as JSON (``cpattn.masks.from_spec``), which a predicate has no form
+of, so these cases describe the predicate as a small dict ``mod``::
+
+    {"kind": "prefix_lm", "prefix": 10, "combine": "and"}
+
+``kind`` names one of :data:`MODS` and the other keys are its arguments; ``combine`` is None (the
+predicate alone) or "and" / "or" (the predicate combined with the case's own JSON mask, ``Case.mask``
+and ``Case.mask_args``, with ``&`` / ``|``). Each kind has two definitions: a vectorised one that the
+library gets through ``from_mask_mod`` (classified from its dense form) and a pair-by-pair one on plain
+ints for the reference. The JSON side of a combination comes from ``verify.dense_mask``, so the
+reference shares no code with ``cpattn.masks``.
+
+:func:`mask_mod_case` runs on every worker rank; :func:`run` runs it on a world and judges the results
+with ``cpattn.verify``'s checks: float64 reference, tolerance ``2 * e_local + 1e-6``, communication equal
+to the schedule's steps, padding and empty rows exactly 0 (lse -inf).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+
+import torch
+
+from cpattn import masks, trace, verify
+from cpattn.launcher import RankError, WorldError
+
+#: multiplier of the block hash of ``random_blocks`` (Knuth's); products stay far below 2**63
+_HASH = 2654435761
+
+
+def _block_hash(i, j, seed: int):
+    """Pseudo-random 0..999 per block pair; the same arithmetic on ints and on LongTensors."""
+    return ((i * 131 + j * 31 + seed * 17 + 7) * _HASH >> 7) % 1000
+
+
+# kind -> (vectorised fn(q_idx, kv_idx, **args) -> bool tensor, rule(q, k, **args) -> bool, is_causal(**args))
+MODS: dict[str, tuple[Callable, Callable, Callable[..., bool]]] = {
+    # prefix-LM: a bidirectional prefix, causal after it
+    "prefix_lm": (lambda q, k, prefix: (k <= q) | (k < prefix),
+                  lambda q, k, prefix: k <= q or k < prefix,
+                  lambda prefix: False),
+    # every d-th key back from the query (causal)
+    "dilated": (lambda q, k, dilation: (k <= q) & ((q - k) % dilation == 0),
+                lambda q, k, dilation: k <= q and (q - k) % dilation == 0,
+                lambda dilation: True),
+    # block-sparse, pairs of blocks kept at random (density in thousandths), optionally causal
+    "random_blocks": (lambda q, k, block_size, density, seed, causal:
+                      (_block_hash(q // block_size, k // block_size, seed) < density) & ((k <= q) | (not causal)),
+                      lambda q, k, block_size, density, seed, causal:
+                      _block_hash(q // block_size, k // block_size, seed) < density and (k <= q or not causal),
+                      lambda block_size, density, seed, causal: causal),
+    # rows q with q % period == phase attend nothing (out 0, lse -inf); the others attend causally
+    "empty_rows": (lambda q, k, period, phase: (k <= q) & (q % period != phase),
+                   lambda q, k, period, phase: k <= q and q % period != phase,
+                   lambda period, phase: True),
+}
+
+
+def _args(mod: dict) -> dict:
+    return {k: v for k, v in mod.items() if k not in ("kind", "combine")}
+
+
+def build_mask(case: verify.Case, mod: dict) -> masks.Mask:
+    """The library mask of a case: the predicate ``mod`` wrapped by ``from_mask_mod``, alone or combined
+    with the case's JSON mask."""
+    fn, _, is_causal = MODS[mod["kind"]]
+    args = _args(mod)
+    mask = masks.from_mask_mod(lambda q, k: fn(q, k, **args), name=mod["kind"], is_causal=is_causal(**args))
+    if mod.get("combine") is None:
+        return mask
+    other = masks.from_spec(case.mask_spec)
+    return (mask & other) if mod["combine"] == "and" else (mask | other)
+
+
+def reference_mask(case: verify.Case, mod: dict) -> torch.Tensor:
+    """The reference's bool ``[S, S]`` of the case, pair by pair (small S only)."""
+    _, rule, _ = MODS[mod["kind"]]
+    args = _args(mod)
+    s = case.seq
+    allowed = torch.tensor([[bool(rule(q, k, **args)) for k in range(s)] for q in range(s)], dtype=torch.bool)
+    if mod.get("combine") is None:
+        return allowed
+    other = verify.dense_mask(case.mask, s, case.mask_args)
+    return (allowed & other) if mod["combine"] == "and" else (allowed | other)
+
+
+def label(case: verify.Case, mod: dict | None) -> str:
+    """The case as text: ``verify``'s label, plus the predicate when there is one."""
+    if mod is None:
+        return case.label
+    return f"{case.label} mask_mod={json.dumps(mod, separators=(',', ':'), sort_keys=True)}"
+
+
+# ---------------------------------------------------------------------------------- worker side
+def mask_mod_case(mod: dict, **fields) -> dict:
+    """``verify.rank_case`` with the mask of :func:`build_mask`: this rank's results (numpy, float64),
+    communication counts and the run against the schedule's steps."""
+    import torch.distributed as dist
+
+    from cpattn.api import ContextParallel
+    from cpattn.topology import Topology
+
+    case = verify.Case(**fields)
+    group = None
+    if case.group is not None:
+        group = verify._subgroup(tuple(case.group))  # the harness's subgroups, created once per world
+        if dist.get_rank() not in case.group:
+            return {"member": False}
+    x = verify.make_inputs(case)
+    topology = Topology(*case.topology) if case.topology is not None else None
+    cp = ContextParallel(case.seq, build_mask(case, mod), verify.schedule_of(case), group=group,
+                         backend=case.backend, topology=topology, layout=case.layout)
+    pad = cp.positions() < 0
+    noise = torch.Generator().manual_seed(20_000 + 100 * case.seed + cp.rank)
+
+    def local(name: str) -> torch.Tensor:
+        """This rank's tokens; padding rows hold random values, which must not matter."""
+        t = cp.shard(x[name])
+        t[:, pad] = torch.randn(t[:, pad].shape, generator=noise, dtype=torch.float64).to(t.dtype)
+        return t
+
+    q, k, v = (local(n).requires_grad_() for n in ("q", "k", "v"))
+    dout = local("dout")
+    cp.reset_comm_stats()
+    with trace.recording() as fwd_events:
+        out, lse = cp.attention(q, k, v, return_lse=True)
+    fwd = cp.comm_stats()
+    cp.reset_comm_stats()
+    with trace.recording() as bwd_events:
+        out.backward(dout)
+    bwd = cp.comm_stats()
+    own_blocks = case.layout is None and cp.padded_len == cp.seq_len
+    spec = verify.spec_report(cp, q, k, {"forward": fwd_events, "backward": bwd_events}, own_blocks)
+
+    def np64(t: torch.Tensor):
+        return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.detach().numpy()
+
+    return {"member": True, "rank": cp.rank, "positions": np64(cp.positions()), "out": np64(out),
+            "lse": np64(lse), "dq": np64(q.grad), "dk": np64(k.grad), "dv": np64(v.grad),
+            "measured": {"forward": fwd, "backward": bwd}, "expected": cp.expected_volume(q, k), "spec": spec}
+
+
+# ---------------------------------------------------------------------------------- parent side
+def check(case: verify.Case, mod: dict, per_rank: list) -> verify.CaseResult:
+    """``verify.check`` with the reference mask of :func:`reference_mask`."""
+    res = verify.CaseResult(case)
+    errs = [r for r in per_rank if isinstance(r, RankError)]
+    if errs:
+        res.failure = f"{errs[0]}\n{errs[0].traceback}"
+        return res
+    members = sorted((r for r in per_rank if r["member"]), key=lambda r: r["rank"])
+    x = verify.make_inputs(case)
+    scale = verify.kernels.default_scale(case.head_dim)
+    allowed = reference_mask(case, mod)
+    ref = verify.reference(x["q"], x["k"], x["v"], x["dout"], allowed, scale)
+    e_local = verify.local_errors(x, "mask_mod", scale, allowed, ref)
+    got = {}
+    for q in verify.QUANTITIES:
+        got[q] = verify.assemble(members, q, 2 if q == "lse" else 1)
+        res.errors[q] = verify.rel_error(got[q], ref[q])
+        res.tolerances[q] = 2 * e_local[q] + 1e-6
+    # the harness's own judges of communication, steps and exact zeros
+    res.comm_mismatches = verify._compare_comm(members)
+    res.spec_mismatches = verify._compare_spec(members)
+    res.exact_violations = verify._exact_checks(members, got, allowed)
+    return res
+
+
+def run(world, case: verify.Case, mod: dict | None, timeout: float) -> verify.CaseResult:
+    """Run one fuzz case on a ``LocalWorld`` and judge it: ``verify.run`` for a JSON mask, the predicate
+    path above otherwise. A timeout or a dead worker is a failure naming the case."""
+    if mod is None:
+        return verify.run(world, case, timeout=timeout)
+    try:
+        per_rank = world.run(mask_mod_case, timeout=timeout, name=label(case, mod), mod=mod, **asdict(case))
+    except WorldError as exc:
+        return verify.CaseResult(case, failure=str(exc))
+    return check(case, mod, per_rank)
