@@ -1,0 +1,233 @@
+"""Hugging Face ``transformers`` (5.x) models with context-parallel attention.
+
+:func:`register` adds an attention implementation named ``"cpattn"`` to ``transformers``; a model built
+with ``attn_implementation="cpattn"`` then runs every attention layer through the
+:class:`cpattn.ContextParallel` made active by :func:`use`::
+
+    hf.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="cpattn")
+    cp = cpattn.ContextParallel(seq_len=S, mask="causal", schedule="zigzag_ring")
+    with hf.use(cp):
+        logits = model(cp.shard(input_ids, dim=1), position_ids=cp.positions()[None], use_cache=False).logits
+        hf.causal_lm_loss(logits, input_ids, cp).backward()
+
+The mask is the ContextParallel's: the model's own masks are never built (the mask hook of ``"cpattn"``
+returns None), and what cpattn cannot honour raises instead of being dropped: a padding
+``attention_mask``, a custom 4-D mask, a model's extra mask functions, attention dropout, soft-capping,
+sinks, packed-sequence keyword arguments, a key/value cache, a causal or sliding-window setting of the
+layer that the mask disagrees with, and ``position_ids`` that are not the tokens' global positions.
+
+``transformers`` is imported by :func:`register` only, never by ``import cpattn``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..api import ContextParallel
+from ..masks import AndMask, DocumentMask, Mask, SlidingWindowMask
+
+#: the ``attn_implementation`` name this module registers
+NAME = "cpattn"
+#: the label value the loss ignores (transformers' and torch's convention)
+IGNORE_INDEX = -100
+
+_ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("cpattn_hf_active", default=None)
+#: the ContextParallel and ``position_ids`` tensor last found to agree: a model passes one tensor to all
+#: its layers, so it is checked once per forward
+_CHECKED_POSITIONS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("cpattn_hf_checked_positions",
+                                                                                  default=None)
+
+#: keyword arguments of transformers' attention functions that change the result and that cpattn does not
+#: implement, with what to do instead
+_PACKING = "packed sequences are expressed with the mask: ContextParallel(mask=cpattn.masks.document(lengths))"
+_UNSUPPORTED_KWARGS = {
+    "softcap": "attention logit soft-capping is not supported",
+    "s_aux": "attention sinks are not supported",
+    "sinks": "attention sinks are not supported",
+    "position_bias": "additive position biases are not supported",
+    "cu_seq_lens_q": _PACKING,
+    "cu_seq_lens_k": _PACKING,
+    "seq_idx": _PACKING,
+}
+_PADDING_ADVICE = ("cpattn does not take padding masks: pack the sequences without padding and pass "
+                   "ContextParallel(mask=cpattn.masks.document(lengths)), or drop attention_mask when every "
+                   "token is real")
+
+
+def register() -> None:
+    """Register the ``"cpattn"`` attention implementation (and its mask hook) with ``transformers``.
+    Idempotent; call it before building a model with ``attn_implementation="cpattn"``."""
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+    except ImportError as exc:
+        raise ImportError("cpattn.integrations.hf needs transformers 5.x: pip install 'cpattn[hf]'") from exc
+    AttentionInterface.register(NAME, attention_forward)
+    # Without a mask hook transformers would silently drop a 2-D padding mask for an unknown
+    # implementation; the hook sees it and raises.
+    AttentionMaskInterface.register(NAME, mask_hook)
+
+
+@contextlib.contextmanager
+def use(cp: ContextParallel) -> Iterator[ContextParallel]:
+    """Make ``cp`` the ContextParallel of every ``"cpattn"`` attention layer called inside the block
+    (this thread or task only; nestable: the innermost wins). Run the forward and the backward inside
+    it (the backward needs it only when layers are recomputed, as with gradient checkpointing)."""
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"use() takes a cpattn.ContextParallel, got {type(cp).__name__}")
+    token = _ACTIVE.set(cp)
+    try:
+        yield cp
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> ContextParallel | None:
+    """The ContextParallel made active by the innermost :func:`use`, or None."""
+    return _ACTIVE.get()
+
+
+def _require_active() -> ContextParallel:
+    cp = _ACTIVE.get()
+    if cp is None:
+        raise RuntimeError(f"a model with attn_implementation={NAME!r} was called outside "
+                           "cpattn.integrations.hf.use(cp): wrap the forward and backward in `with use(cp):`")
+    return cp
+
+
+def mask_hook(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+              mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
+    """transformers' mask interface for ``"cpattn"``: no mask is built (the ContextParallel's mask rules),
+    but a padding mask (a 2-D ``attention_mask`` with a 0) or extra mask functions of the model raise."""
+    if kwargs.get("use_vmap"):  # transformers sets it exactly when the model adds or_/and_mask_function
+        raise NotImplementedError(f"attn_implementation={NAME!r}: this model adds its own mask function (e.g. "
+                                  "bidirectional attention over image tokens), which cpattn cannot honour; express "
+                                  "the whole mask as a cpattn mask (cpattn.masks.from_mask_mod) if it is static")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(f"attn_implementation={NAME!r}: attention_mask has padding (zeros); {_PADDING_ADVICE}")
+    return None
+
+
+def _and_parts(mask: Mask) -> list[Mask]:
+    """The masks ``mask`` is the intersection of (itself when it is no ``&``)."""
+    if isinstance(mask, AndMask):
+        return _and_parts(mask.a) + _and_parts(mask.b)
+    return [mask]
+
+
+def _check_mask(cp: ContextParallel, module: torch.nn.Module, is_causal: bool, sliding_window: int | None) -> None:
+    """Raise when the layer's causality or sliding window disagrees with ``cp.mask``."""
+    where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
+    if is_causal != cp.mask.is_causal:
+        kind = "causal" if is_causal else "bidirectional"
+        raise ValueError(f"{where} is {kind} but the ContextParallel mask {cp.mask.name!r} is "
+                         f"{'causal' if cp.mask.is_causal else 'not causal'}; build the ContextParallel with a "
+                         f"{kind} mask")
+    windows = [m.window for m in _and_parts(cp.mask) if isinstance(m, SlidingWindowMask)]
+    if sliding_window is None and windows:
+        raise ValueError(f"{where} has no sliding window but the ContextParallel mask {cp.mask.name!r} has one "
+                         f"({windows[0]} tokens)")
+    if sliding_window is not None and sliding_window not in windows:
+        raise ValueError(f"{where} attends a sliding window of {sliding_window} tokens but the ContextParallel "
+                         f"mask is {cp.mask.name!r}; build it with mask=cpattn.masks.sliding_window"
+                         f"({sliding_window}) (one ContextParallel cannot serve layers with different windows)")
+
+
+def _check_positions(cp: ContextParallel, position_ids: torch.Tensor | None) -> None:
+    """Raise unless ``position_ids`` ``[1 or b, local_len]`` hold each local token's global position
+    (``cp.positions()``), or its position inside its document for document masks; padding tokens may
+    hold anything."""
+    checked = _CHECKED_POSITIONS.get()
+    if position_ids is None or (checked is not None and checked[0] is cp and checked[1] is position_ids):
+        return
+    expected = cp.positions().to(position_ids.device)
+    real = expected >= 0
+    accepted = [expected]
+    for part in _and_parts(cp.mask):
+        if isinstance(part, DocumentMask):
+            ends = torch.tensor(part.lengths, device=expected.device).cumsum(0)
+            starts = ends - torch.tensor(part.lengths, device=expected.device)
+            doc = torch.searchsorted(ends, expected.clamp(min=0), right=True).clamp(max=len(part.lengths) - 1)
+            accepted.append(expected - starts[doc])
+    if position_ids.shape[-1] == expected.shape[0]:
+        for want in accepted:
+            if bool(((position_ids == want) | ~real).all()):
+                _CHECKED_POSITIONS.set((cp, position_ids))
+                return
+    raise ValueError(f"position_ids do not hold the tokens' global positions: pass position_ids=cp.positions()[None] "
+                     f"(shape [1, {cp.local_len}]; padding tokens are -1 there, which rotary embeddings accept; "
+                     "clamp(min=0) for learned position embeddings) with the inputs sharded by cp.shard(x, dim=1)")
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for ``"cpattn"``: local ``query [b, h, s, d]``, ``key, value
+    [b, h_kv, s, d]`` (key/value heads not repeated) -> ``(out [b, s, h, d], None)`` through the active
+    ContextParallel's ``attention``. ``scaling`` is the softmax scale."""
+    cp = _require_active()
+    if attention_mask is not None:
+        raise ValueError(f"attn_implementation={NAME!r} got a prepared attention mask of shape "
+                         f"{tuple(attention_mask.shape)}: cpattn applies the ContextParallel's mask and cannot honour "
+                         f"custom masks; express it as a cpattn mask (cpattn.masks) instead. {_PADDING_ADVICE}")
+    if dropout:
+        raise NotImplementedError(f"attention dropout ({dropout}) is not supported by cpattn: set the config's "
+                                  "attention_dropout to 0.0, or call model.eval()")
+    for name, why in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attn_implementation={NAME!r}: {name}: {why}")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError(f"attn_implementation={NAME!r} computes no attention weights: "
+                                  "pass output_attentions=False")
+    if key.shape[2] != query.shape[2]:
+        raise NotImplementedError(f"keys ({key.shape[2]} tokens) and queries ({query.shape[2]}) differ in length: "
+                                  "a key/value cache (generation) is not supported; pass use_cache=False")
+    if query.shape[2] != cp.local_len:
+        raise ValueError(f"the layer got {query.shape[2]} tokens but the ContextParallel holds {cp.local_len} per rank "
+                         f"(seq_len={cp.seq_len}, padding included): pass inputs sharded by cp.shard(x, dim=1)")
+    is_causal = kwargs.get("is_causal")
+    _check_mask(cp, module, getattr(module, "is_causal", True) if is_causal is None else bool(is_causal),
+                kwargs.get("sliding_window"))
+    _check_positions(cp, kwargs.get("position_ids"))
+    out = cp.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling)
+    return out, None
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """``[b, S]`` labels of the full sequence -> the next token's label at each position (the last
+    position gets :data:`IGNORE_INDEX`), as transformers' causal-LM loss shifts them."""
+    ignore = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    return torch.cat([labels[:, 1:], ignore], dim=1)
+
+
+def causal_lm_loss(logits_local: torch.Tensor, labels_full: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """Mean next-token cross-entropy over every token of the ContextParallel group.
+
+    ``logits_local [b, local_len, vocab]``: this rank's logits (inputs sharded with ``cp.shard``).
+    ``labels_full [b, seq_len]``: the unshifted labels of the full sequence (usually ``input_ids``;
+    :data:`IGNORE_INDEX` where no loss is wanted), as transformers takes them. They are shifted on the
+    full sequence (:func:`shift_labels`), so a token whose successor lives on another rank still gets its
+    label, then sharded; padding tokens are ignored.
+
+    Returns this rank's share: the sum of its tokens' losses divided by the number of labelled tokens
+    of the whole group (all-reduced). The shares add up to the global mean, and so do their gradients:
+    summing the parameter gradients over the ranks (as data parallelism's all-reduce does) gives the
+    gradient of the global mean. To log the global mean, all-reduce (SUM) the detached value.
+    """
+    labels = cp.shard(shift_labels(labels_full), dim=1).to(logits_local.device)
+    labels = labels.masked_fill(cp.positions().to(labels.device) < 0, IGNORE_INDEX)
+    if logits_local.shape[:2] != labels.shape:
+        raise ValueError(f"logits_local has shape {tuple(logits_local.shape)}, expected [b, local_len, vocab] with "
+                         f"[b, local_len] = {list(labels.shape)}")
+    total = F.cross_entropy(logits_local.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    count = (labels != IGNORE_INDEX).sum()
+    if cp.world_size > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=cp.comm.group)
+    return total / count.clamp(min=1)

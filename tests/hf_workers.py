@@ -1,0 +1,102 @@
+"""Functions the Hugging Face tests run on worker processes: a tiny random transformers model with
+``attn_implementation="cpattn"`` on every rank against the same weights with ``"sdpa"`` on the whole
+sequence in one process."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import cpattn
+from cpattn.integrations import hf
+
+VOCAB = 128
+
+
+def tiny_config(kind: str = "llama", sliding_window: int | None = None):
+    """A small random config (no download): 2 layers, 4 query heads, 2 key/value heads."""
+    from transformers import LlamaConfig, MistralConfig
+
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, max_position_embeddings=256)
+    if kind == "llama":
+        return LlamaConfig(**sizes)
+    if kind == "mistral":
+        return MistralConfig(sliding_window=sliding_window, **sizes)
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+def model_pair(config, seed: int):
+    """``(cpattn model, sdpa model)`` with the same random weights. Each gets its own copy of the config:
+    ``from_config`` writes the implementation into the config object it is given."""
+    from transformers import AutoModelForCausalLM
+
+    hf.register()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="cpattn")
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` (inf when ``a`` is not finite)."""
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def parity(schedule: str, seq_len: int, seed: int, kind: str = "llama", window: int | None = None,
+           documents: list[int] | None = None, batch: int = 2) -> dict[str, float]:
+    """Forward and backward of the model at CP = the world size against the sdpa model on one process.
+
+    ``documents``: lengths of packed documents (mask ``cpattn.masks.document``, positions restart in each
+    document); the reference runs each document on its own. ``window``: a Mistral sliding window. Returns
+    the relative errors of the logits, the loss and the parameter gradients (the worst parameter)."""
+    model, ref = model_pair(tiny_config(kind, window), seed)
+    ids = torch.randint(0, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(seed + 1))
+    mask = "causal"
+    if window is not None:
+        mask = cpattn.masks.sliding_window(window)
+    if documents is not None:
+        mask = cpattn.masks.document(documents)
+    cp = cpattn.ContextParallel(seq_len, mask=mask, schedule=schedule)
+    positions, labels = cp.positions(), ids
+    if documents is not None:  # no loss for predicting a document's first token from the previous one
+        labels = ids.clone()
+        labels[:, torch.tensor(documents[:-1]).cumsum(0)] = hf.IGNORE_INDEX
+    if documents is not None:  # each document's positions start at 0
+        starts = torch.tensor([0, *documents]).cumsum(0)[:-1]
+        doc = torch.searchsorted(torch.tensor(documents).cumsum(0), positions.clamp(min=0), right=True)
+        positions = torch.where(positions >= 0, positions - starts[doc.clamp(max=len(documents) - 1)], -1)
+
+    with hf.use(cp):
+        logits = model(cp.shard(ids, dim=1), position_ids=positions[None], use_cache=False).logits
+        loss = hf.causal_lm_loss(logits, labels, cp)
+        loss.backward()
+    total = loss.detach().clone()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if cp.world_size > 1:
+        dist.all_reduce(total)
+        for g in grads.values():
+            dist.all_reduce(g)
+    logits_full = cp.unshard(logits.detach(), dim=1)
+
+    if documents is None:
+        out = ref(ids, labels=ids, use_cache=False)
+        ref_logits, ref_loss = out.logits, out.loss
+    else:  # each document alone; the loss is the mean over every document's shifted tokens
+        parts = list(torch.split(ids, documents, dim=1))
+        outs = [ref(p, use_cache=False).logits for p in parts]
+        ref_logits = torch.cat(outs, dim=1)
+        labels = torch.cat([hf.shift_labels(p) for p in parts], dim=1)
+        ref_loss = torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(),
+                                                     ignore_index=hf.IGNORE_INDEX)
+    ref_loss.backward()
+    return {
+        "logits": rel(logits_full, ref_logits.detach()),
+        "loss": rel(total, ref_loss.detach()),
+        "grads": max(rel(grads[n], p.grad) for n, p in ref.named_parameters()),
+    }
