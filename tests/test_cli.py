@@ -79,6 +79,9 @@ SHRINK = {
     "plan": ({"--seq": lambda v: "1024", "--time-budget": lambda v: "1"},
              {"--seq": "1024", "--time-budget": "1", "--heads": "4", "--kv-heads": "2", "--head-dim": "16"}),
     "schedules": ({}, {}),
+    "train": ({"--steps": lambda v: "3", "--seq": lambda v: "64", "--nproc": lambda v: "2", "--dp": lambda v: "1",
+               "--cp": lambda v: "2", "--eval-every": lambda v: "3", "--config": lambda v: "tiny"},
+              {"--steps": "3", "--nproc": "2"}),
 }
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``cpattn bench``, ``verify``, ``schedules``, ``calibrate``, ``simulate``, ``plan``.
+"""Command line: ``cpattn bench``, ``train``, ``verify``, ``schedules``, ``calibrate``, ``simulate``, ``plan``.
 
 One module per command (``add_parser(sub)`` and ``run(args)``); :mod:`cpattn.cli.args` holds the
 argument parsing they share. Importing this package imports neither rich nor matplotlib nor ortools:
@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from . import bench, calibrate, plan, schedules, simulate, verify
+from . import bench, calibrate, plan, schedules, simulate, train, verify
 
 #: the commands, in the order ``cpattn --help`` lists them
-COMMANDS = (bench, calibrate, simulate, verify, plan, schedules)
+COMMANDS = (bench, train, calibrate, simulate, verify, plan, schedules)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,112 @@
+"""Training end to end: loss parity across (dp, cp) meshes and schedules, resume, torchrun, learning.
+
+Every run trains the same tiny model on the same global batches; a run on a (dp, cp) mesh must follow
+the one-process run's losses (1e-5 relative) and end at its parameters (1e-4 relative norm)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpattn import train
+from cpattn.launcher import RankError, free_port
+
+MESHES = [(1, 2), (1, 4), (2, 2)]
+LLAMA_SCHEDULES = ["ring", "zigzag_ring", "ringx3", "ringx4o", "ulysses"]
+VIT_SCHEDULES = ["ringx1o", "ringx3b"]
+
+
+def _run(worlds, cfg: train.TrainConfig, return_params: bool = True) -> dict:
+    results = worlds.get(cfg.world).run(train.run_rank, timeout=300, name=f"train {cfg}",
+                                        config=cfg.__dict__ | {"documents": list(cfg.documents)},
+                                        return_params=return_params)
+    bad = [r for r in results if isinstance(r, RankError)]
+    assert not bad, f"{bad[0]}\n{bad[0].traceback}"
+    assert all(r["losses"] == results[0]["losses"] for r in results), "ranks logged different losses"
+    return results[0]
+
+
+def _assert_same_run(got: dict, ref: dict, what: str) -> None:
+    a, b = torch.tensor(got["losses"], dtype=torch.float64), torch.tensor(ref["losses"], dtype=torch.float64)
+    assert a.shape == b.shape and a.numel() > 0
+    rel = ((a - b).abs() / b.abs()).max().item()
+    assert rel <= 1e-5, f"{what}: losses differ by {rel:.2e} relative\n{got['losses']}\n{ref['losses']}"
+    for i, (p, q) in enumerate(zip(got["params"], ref["params"])):
+        err = ((p - q).norm() / q.norm().clamp_min(1e-30)).item()
+        assert err <= 1e-4, f"{what}: parameter {i} differs by {err:.2e} (relative norm)"
+
+
+def _base(model: str, **kw) -> train.TrainConfig:
+    if model == "llama":
+        return train.TrainConfig(**{"model": "llama", "config": "tiny", "steps": 10, "seq": 64, "batch": 4,
+                                    "lr": 3e-3, "seed": 3, **kw})
+    return train.TrainConfig(**{"model": "vit", "config": "tiny", "steps": 10, "batch": 4, "lr": 1e-3, "seed": 4,
+                                **kw})
+
+
+@pytest.fixture(scope="module")
+def references(worlds):
+    """The one-process runs every mesh must follow."""
+    return {"llama": _run(worlds, _base("llama", dp=1, cp=1, schedule="ring")),
+            "vit": _run(worlds, _base("vit", dp=1, cp=1, schedule="ring")),
+            "documents": _run(worlds, _base("llama", dp=1, cp=1, schedule="ring", task="documents"))}
+
+
+@pytest.mark.parametrize("dp,cp", MESHES)
+@pytest.mark.parametrize("schedule", LLAMA_SCHEDULES)
+def test_llama_loss_parity(worlds, references, dp, cp, schedule):
+    got = _run(worlds, _base("llama", dp=dp, cp=cp, schedule=schedule))
+    _assert_same_run(got, references["llama"], f"llama dp{dp} x cp{cp} {schedule}")
+    assert got["losses"][-1] < got["losses"][0]
+
+
+@pytest.mark.parametrize("dp,cp", MESHES)
+@pytest.mark.parametrize("schedule", VIT_SCHEDULES)
+def test_vit_loss_parity(worlds, references, dp, cp, schedule):
+    got = _run(worlds, _base("vit", dp=dp, cp=cp, schedule=schedule))
+    _assert_same_run(got, references["vit"], f"vit dp{dp} x cp{cp} {schedule}")
+
+
+def test_packed_documents_loss_parity(worlds, references):
+    got = _run(worlds, _base("llama", dp=1, cp=2, schedule="zigzag_ring", task="documents"))
+    _assert_same_run(got, references["documents"], "documents cp2")
+
+
+def test_resume_gives_the_uninterrupted_losses(worlds, tmp_path):
+    whole = _run(worlds, _base("llama", dp=1, cp=2, schedule="zigzag_ring"), return_params=False)
+    ckpt = str(tmp_path / "ckpt")
+    first = _run(worlds, _base("llama", dp=1, cp=2, schedule="zigzag_ring", stop_after=5, checkpoint=ckpt),
+                 return_params=False)
+    assert len(first["losses"]) == 5 and train.latest_checkpoint(ckpt)[0] == 5
+    resumed = _run(worlds, _base("llama", dp=1, cp=2, schedule="zigzag_ring", checkpoint=ckpt, resume=True),
+                   return_params=False)
+    assert resumed["first_step"] == 6
+    assert resumed["losses"][5:] == whole["losses"][5:], (resumed["losses"], whole["losses"])
+
+
+def test_bad_configs_are_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="multiple of dp"):
+        train.TrainConfig(dp=2, batch=3)
+    with pytest.raises(ValueError, match="not a vit task"):
+        train.TrainConfig(model="vit", task="recall")
+    with pytest.raises(ValueError, match="resume needs"):
+        train.TrainConfig(resume=True)
+
+
+def test_torchrun_gives_the_local_launchers_losses(worlds, tmp_path):
+    local = _run(worlds, _base("llama", dp=1, cp=2, schedule="zigzag_ring", steps=4), return_params=False)
+    log = tmp_path / "log.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "cpattn.train", "--model", "llama", "--config", "tiny", "--dp", "1", "--cp", "2",
+           "--schedule", "zigzag_ring", "--steps", "4", "--seq", "64", "--batch", "4", "--lr", "3e-3", "--seed", "3",
+           "--json", str(log)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(Path(log).read_text())["losses"] == local["losses"]
