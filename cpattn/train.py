@@ -18,6 +18,7 @@ any (dp, cp) and with any schedule follows the one-process run up to rounding.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -434,23 +435,35 @@ def plot_losses(runs: dict[str, dict], path: str) -> None:
 
 # ---------------------------------------------------------------------------------- torchrun entry
 def build_parser():
-    import argparse
-
     p = argparse.ArgumentParser(prog="python -m cpattn.train",
                                 description="Train a reference model with context parallelism (run under torchrun).")
     add_arguments(p)
     return p
 
 
-def add_arguments(p) -> None:
-    """The options ``cpattn train`` and ``python -m cpattn.train`` share."""
+def _csv_ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(p, compare: bool = False) -> None:
+    """The options ``cpattn train`` and ``python -m cpattn.train`` share. ``compare``: ``--cp`` and
+    ``--schedule`` take comma-separated lists (``cpattn train`` runs each combination)."""
     d = TrainConfig()
     p.add_argument("--model", choices=MODELS, default=d.model)
     p.add_argument("--config", default=d.config, help="model config name (tiny, small, ...)")
     p.add_argument("--dp", type=int, default=d.dp, help="data-parallel degree")
-    p.add_argument("--cp", type=int, default=None, help="context-parallel degree (default: world / dp)")
-    p.add_argument("--schedule", default=None, help="context-parallel schedule (default: zigzag_ring for llama, "
-                                                    "ringx1o for vit)")
+    if compare:
+        p.add_argument("--cp", type=_csv_ints, default=None,
+                       help="context-parallel degree(s), comma-separated (default: --nproc / --dp)")
+        p.add_argument("--schedule", default=None, help="context-parallel schedule(s), comma-separated (default: "
+                                                        "zigzag_ring for llama, ringx1o for vit)")
+    else:
+        p.add_argument("--cp", type=int, default=None, help="context-parallel degree (default: world / dp)")
+        p.add_argument("--schedule", default=None, help="context-parallel schedule (default: zigzag_ring for "
+                                                        "llama, ringx1o for vit)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence (llama)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step over the whole world")
@@ -469,10 +482,12 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", default=None, help="loss-curve PNG path")
 
 
-def config_from_args(args, world: int) -> TrainConfig:
-    cp = args.cp if args.cp is not None else world // max(1, args.dp)
+def config_from_args(args, world: int, cp: int | None = None, schedule: str | None = None) -> TrainConfig:
+    """The run the arguments ask for on ``world`` ranks (``cp``, ``schedule``: one of a comparison's)."""
+    if cp is None:
+        cp = args.cp if args.cp is not None else world // max(1, args.dp)
     docs = tuple(int(x) for x in args.documents.split(",") if x.strip()) if args.documents else ()
-    return TrainConfig(model=args.model, config=args.config, dp=args.dp, cp=cp, schedule=args.schedule,
+    return TrainConfig(model=args.model, config=args.config, dp=args.dp, cp=cp, schedule=schedule or args.schedule,
                        steps=args.steps, seq=args.seq, batch=args.batch, task=args.task, lr=args.lr, seed=args.seed,
                        stop_after=args.stop_after, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, eval_every=args.eval_every, peak_tflops=args.peak_tflops,

@@ -30,6 +30,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--phase", default="forward+backward", choices=["forward", "backward", "forward+backward"])
     m.add_argument("--schedules", type=a.csv(str), default=None,
                    help="comma-separated (default: all registered; ultra only for masks other than causal and full)")
+    m.add_argument("--model", default=None, help="model-level mode: a decoder config (e.g. llama3-8b) trained with "
+                                                 "--cp x --dp; predicts step time and MFU per schedule")
+    m.add_argument("--cp", type=int, default=None, help="model mode: context-parallel degree")
+    m.add_argument("--dp", type=int, default=1, help="model mode: data-parallel degree")
+    m.add_argument("--matmul-efficiency", type=float, default=0.7,
+                   help="model mode: fraction of the matmul peak the dense layers reach (an assumption; default 0.7)")
+    m.add_argument("--peak-tflops", type=float, default=None,
+                   help="model mode: dense bf16 peak per device (default: the preset's data-sheet figure)")
+    m.add_argument("--reference-mfu", type=float, default=0.38,
+                   help="model mode: the MFU to compare with (default 0.38, RingX's Llama3-8B at 1M tokens)")
     m.add_argument("--profile", help="calibration profile for --topology local")
     m.add_argument("--json", help="also write the rows as JSON to this path")
     m.add_argument("--plot", default="simulate.png", help="scaling plot PNG (default simulate.png; '' for none)")
@@ -47,6 +57,8 @@ def run(args) -> int:
     from ..masks import resolve
     from ..steps import split_phase
 
+    if args.model is not None:
+        return run_model(args)
     if (args.seq is None) == (args.seq_per_gpu is None):
         raise ValueError("give exactly one of --seq (global tokens) and --seq-per-gpu (tokens per GPU)")
     gpus = a.device_counts(args.topology, args.gpus, DEFAULT_GPUS, "--gpus")
@@ -120,6 +132,73 @@ def run(args) -> int:
     if args.plot:
         plot(rows, args, mask.name, args.plot)
         stderr().print(f"wrote {args.plot}")
+    return 0
+
+
+def run_model(args) -> int:
+    """Model-level mode: one training step of ``--model`` at ``--seq`` tokens per replica on ``--cp`` x
+    ``--dp`` devices of the topology, per schedule (``cpattn.cost.training``)."""
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from .. import cost, schedules
+    from ..cost.presets import MATMUL_PEAK
+    from ..cost.training import DecoderShape, step_estimate
+    from ..masks import resolve
+    from ..models import flops
+    from ..models.llama import LLAMA_CONFIGS
+
+    if args.model not in LLAMA_CONFIGS:
+        raise ValueError(f"--model {args.model!r} is unknown; accepted: {', '.join(LLAMA_CONFIGS)}")
+    if args.cp is None or args.cp < 1 or args.dp < 1:
+        raise ValueError("model mode needs --cp (and --dp, default 1) of at least 1")
+    if args.seq_per_gpu is not None:
+        raise ValueError("model mode takes --seq (tokens per sequence), not --seq-per-gpu")
+    preset = args.topology.preset
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else MATMUL_PEAK.get(preset)
+    if peak is None:
+        raise ValueError(f"--peak-tflops is needed: no matmul peak is known for topology {args.topology}")
+    conf = LLAMA_CONFIGS[args.model]
+    shape = DecoderShape(conf.layers, conf.heads, conf.kv_heads, conf.head_dim, flops.matmul_param_count(conf),
+                         flops.param_count(conf))
+    seq = args.seq or 1 << 20
+    mask = resolve(args.mask)
+    topo = args.topology.build(args.cp, a.load_profile(args.profile) if preset == "local" else None)
+    nic_share = topo.inter.bandwidth * max(1, topo.nics_per_node) / topo.devices_per_node
+    names = args.schedules or [n for n in cost.default_candidates(mask) if cost.estimable(n)]
+    rows, skipped = [], []
+    for name in names:
+        try:
+            schedules.get(name).check_mask(mask)
+            cost.check_supports(name, cost.Problem(seq, args.cp, mask, 1, conf.heads, conf.kv_heads, conf.head_dim))
+            rows.append(step_estimate(shape, seq, args.cp, args.dp, mask, name, topo, peak, args.matmul_efficiency,
+                                      nic_share, topo.inter.latency))
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            if args.schedules:  # asked for by name: say why not
+                stderr().print(f"{name}: {exc}")
+            skipped.append(name)
+    t = Table(title=f"{args.model} at {seq} tokens, cp {args.cp} x dp {args.dp} = {args.cp * args.dp} devices on "
+                    f"{args.topology}, {mask.name} (peak {peak / 1e12:.4g} TFLOP/s per device, dense layers at "
+                    f"{100 * args.matmul_efficiency:.0f}% of it)",
+              caption=f"MFU counts 6N plus the attention pairs the mask computes; reference MFU "
+                      f"{100 * args.reference_mfu:.0f}%")
+    for col in ("schedule", "step s", "attention s", "dense s", "grad sync s (exposed)", "tokens/s", "MFU",
+                "vs reference"):
+        t.add_column(col, justify="left" if col == "schedule" else "right")
+    for r in sorted(rows, key=lambda r: r.step):
+        t.add_row(r.schedule, f"{r.step:.4g}", f"{r.attention:.4g}", f"{r.dense:.4g}",
+                  f"{r.grad_sync:.3g} ({r.grad_sync_exposed:.3g})", f"{r.tokens_per_s:.4g}", f"{100 * r.mfu:.1f}%",
+                  f"{r.mfu / args.reference_mfu:.2f}x")
+    stdout().print(t)
+    if skipped:
+        stdout().print(f"not shown, they cannot run this problem: {', '.join(skipped)}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+        stderr().print(f"wrote {args.json}")
     return 0
 
 

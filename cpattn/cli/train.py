@@ -1,6 +1,9 @@
 """``cpattn train``: a reference model trained with data x context parallelism on local processes.
 
-The same loop runs unchanged under torchrun: ``torchrun --nproc-per-node N -m cpattn.train ...``
+``--cp`` and ``--schedule`` take comma-separated lists: every combination trains in turn (one local
+world per number of ranks, each rank with ``cores / ranks`` threads) and the table compares their
+throughput with ``ring`` on the same mesh and with the one-context-rank run of the same schedule. The
+same loop runs unchanged under torchrun: ``torchrun --nproc-per-node N -m cpattn.train ...``
 (:mod:`cpattn.train`).
 """
 
@@ -8,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 from .output import stderr, stdout
 
@@ -17,11 +22,27 @@ def add_parser(sub) -> argparse.ArgumentParser:
     from .. import train
 
     t = sub.add_parser("train", help="train a reference model (llama, vit) with DP x CP on local processes")
-    t.add_argument("--nproc", type=int, default=2, help="local processes (= dp x cp)")
-    t.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole run may take")
-    train.add_arguments(t)
+    t.add_argument("--nproc", type=int, default=None, help="local processes (= dp x cp; default: dp x cp)")
+    t.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    train.add_arguments(t, compare=True)
     t.set_defaults(func=run)
     return t
+
+
+def configs(args) -> list:
+    """Every run the arguments ask for, checked before any process starts."""
+    from .. import train
+
+    cps = args.cp or ([args.nproc // max(1, args.dp)] if args.nproc else [1])
+    if args.nproc is not None and (len(cps) > 1 or args.dp * cps[0] != args.nproc):
+        raise ValueError(f"--nproc {args.nproc} must equal --dp {args.dp} x --cp {','.join(map(str, cps))}")
+    names = [s for s in (args.schedule or "").split(",") if s.strip()] or [None]
+    from .. import schedules
+
+    for name in names:
+        if name is not None:
+            schedules.get(name)  # an unknown name fails here
+    return [train.config_from_args(args, args.dp * cp, cp=cp, schedule=name) for cp in cps for name in names]
 
 
 def run(args) -> int:
@@ -30,33 +51,59 @@ def run(args) -> int:
     from .. import train
     from ..launcher import LocalWorld, RankError
 
-    if args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    cfg = train.config_from_args(args, args.nproc)  # every check before any process starts
-    if cfg.world != args.nproc:
-        raise ValueError(f"--dp {cfg.dp} x --cp {cfg.cp} = {cfg.world} ranks, but --nproc is {args.nproc}")
-    threads = max(1, (os.cpu_count() or 1) // args.nproc)
-    err = stderr()
-    err.print(f"starting {args.nproc} local processes ({threads} thread(s) each)")
-    with LocalWorld(args.nproc, threads=threads) as world:
-        results = world.run(train.run_rank, timeout=args.timeout, name="cpattn train",
-                            config=dataclasses.asdict(cfg))
-    failed = [r for r in results if isinstance(r, RankError)]
-    if failed:
-        err.print(f"[red]training failed:[/red] {failed[0]}\n{failed[0].traceback}")
-        return 1
-    rec = results[0]
-    table = Table(title=f"{cfg.model} {cfg.config}, dp {cfg.dp} x cp {cfg.cp}, {rec['schedule']}, {cfg.task}")
-    for col in ("steps", "first loss", "last loss", "tokens/s", "TFLOP/s/rank", "MFU"):
-        table.add_column(col, justify="right")
-    losses = rec["losses"]
-    table.add_row(str(len(losses)), f"{losses[0]:.4f}", f"{losses[-1]:.4f}", f"{rec['tokens_per_s']:.0f}",
-                  f"{rec['tflops_per_rank']:.4f}", f"{100 * rec['mfu']:.1f}%")
-    out = stdout()
-    out.print(table)
-    for ev in rec["evaluations"]:
-        out.print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
-    for what, path in (("log", cfg.log), ("loss curve", cfg.plot)):
-        if path:
-            err.print(f"wrote {what} {path}")
+    runs = configs(args)
+    err, records = stderr(), []
+    cores = os.cpu_count() or 1
+    for world_size in dict.fromkeys(cfg.world for cfg in runs):
+        threads = max(1, cores // world_size)
+        err.print(f"starting {world_size} local process(es), {threads} thread(s) each")
+        with LocalWorld(world_size, threads=threads) as world:
+            for cfg in (c for c in runs if c.world == world_size):
+                one = dataclasses.replace(cfg, progress=True, log=None, plot=None)
+                results = world.run(train.run_rank, timeout=args.timeout, name=f"cpattn train {cfg.schedule}",
+                                    config=dataclasses.asdict(one))
+                failed = [r for r in results if isinstance(r, RankError)]
+                if failed:
+                    err.print(f"[red]training failed:[/red] {failed[0]}\n{failed[0].traceback}")
+                    return 1
+                records.append(results[0])
+    stdout().print(_table(Table, records))
+    for rec in records:
+        for ev in rec["evaluations"]:
+            stdout().print(f"{_label(rec)} step {ev['step']}: " + ", ".join(
+                f"{k} {v:.4g}" for k, v in ev.items() if k != "step"))
+    if args.log:
+        Path(args.log).write_text(json.dumps([{k: v for k, v in r.items() if k != "params"} for r in records],
+                                             indent=1))
+        err.print(f"wrote log {args.log}")
+    if args.plot:
+        train.plot_losses({_label(r): r for r in records}, args.plot)
+        err.print(f"wrote loss curve {args.plot}")
     return 0
+
+
+def _label(rec: dict) -> str:
+    c = rec["config"]
+    return f"dp{c['dp']} x cp{c['cp']} {rec['schedule']}"
+
+
+def _table(table_cls, records: list[dict]):
+    """Throughput per run, against ``ring`` on the same mesh and the cp=1 run of the same schedule."""
+    first = records[0]["config"]
+    table = table_cls(title=f"{first['model']} {first['config']}, {first['task']}, {first['steps']} steps, "
+                            f"batch {first['batch']}")
+    for col in ("schedule", "dp x cp", "first loss", "last loss", "tokens/s", "MFU", "x ring", "x cp=1"):
+        table.add_column(col, justify="right")
+    by_key = {(r["config"]["dp"], r["config"]["cp"], r["schedule"]): r for r in records}
+
+    def ratio(rec: dict, other: dict | None) -> str:
+        return f"{rec['tokens_per_s'] / other['tokens_per_s']:.2f}" if other and other["tokens_per_s"] else "-"
+
+    for rec in records:
+        dp, cp = rec["config"]["dp"], rec["config"]["cp"]
+        ring = by_key.get((dp, cp, "ring"))
+        single = by_key.get((dp, 1, rec["schedule"])) or next(
+            (r for (d, c, _), r in by_key.items() if d == dp and c == 1), None)
+        table.add_row(rec["schedule"], f"{dp} x {cp}", f"{rec['losses'][0]:.4f}", f"{rec['losses'][-1]:.4f}",
+                      f"{rec['tokens_per_s']:.0f}", f"{100 * rec['mfu']:.1f}%", ratio(rec, ring), ratio(rec, single))
+    return table

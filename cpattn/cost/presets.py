@@ -59,6 +59,11 @@ PRESETS = {"frontier": FRONTIER, "dgx-h100": DGX_H100, "dgx-a100": DGX_A100}
 NAMES = (*PRESETS, "local")
 
 
+#: dense bf16 matmul peak per device (FLOP/s) of each preset, from the data sheets cited above (MI250X:
+#: 383 TFLOP/s per package of 2 GCDs; H100 SXM5: 989; A100 SXM4: 312): the peak MFU is taken against
+MATMUL_PEAK = {"frontier": 191.5e12, "dgx-h100": 989e12, "dgx-a100": 312e12}
+
+
 def _nodes(name: str, world: int, per_node: int) -> tuple[int, int]:
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive int, got {world!r}")
@@ -118,4 +123,5 @@ def preset(name: str, world: int, profile: Profile | None = None) -> Topology:
     return Topology(nodes, per_node, **{k: v for k, v in spec.items() if k != "devices_per_node"}, name=key)
 
 
-__all__ = ["DGX_A100", "DGX_H100", "FRONTIER", "LOCAL_DEFAULT_DEVICE", "NAMES", "PRESETS", "local", "preset"]
+__all__ = ["DGX_A100", "DGX_H100", "FRONTIER", "LOCAL_DEFAULT_DEVICE", "MATMUL_PEAK", "NAMES", "PRESETS", "local",
+           "preset"]
