@@ -36,7 +36,7 @@ MODELS = ("llama", "vit")
 TASKS = {"llama": ("recall", "documents"), "vit": ("fields",)}
 DEFAULT_SCHEDULE = {"llama": "zigzag_ring", "vit": "ringx1o"}
 #: rows of the held-out batch each evaluation uses
-EVAL_BATCH = 8
+EVAL_BATCH = 64
 #: trajectories and time steps of the generated fields the ViT trains on
 FIELD_SAMPLES, FIELD_STEPS = 16, 12
 
@@ -48,8 +48,8 @@ class TrainConfig:
     (associative recall, causal mask) or ``documents`` (packed documents, document mask) for llama;
     ``fields`` for the ViT. ``stop_after``: end after this step, as an interrupted run would.
     ``checkpoint``: a directory; saved every ``checkpoint_every`` steps (0: at the end only), resumed
-    from its latest step with ``resume``. ``peak_tflops``: per rank, for MFU (None: the measured matmul
-    rate of each rank, :func:`matmul_peak`)."""
+    from its latest step with ``resume``. ``peak_tflops``: per rank, for MFU (None: the matmul rate
+    measured on every rank at once, :func:`world_matmul_peak`)."""
 
     model: str = "llama"
     config: str = "tiny"
@@ -134,6 +134,15 @@ def mesh(dp: int, cp: int, device_type: str = "cpu"):
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
     return _MESHES[key]
+
+
+def world_matmul_peak(seconds: float = 0.5) -> float:
+    """:func:`matmul_peak` measured on every rank at once (as they compute during training: ranks that
+    share cores share them here too), averaged over the world (FLOP/s per rank; collective)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    rate = torch.tensor([matmul_peak(device, seconds)], dtype=torch.float64, device=device)
+    dist.all_reduce(rate)
+    return float(rate) / dist.get_world_size()
 
 
 def matmul_peak(device: torch.device, seconds: float = 0.2) -> float:
@@ -307,7 +316,7 @@ def run_rank(config: dict | TrainConfig, return_params: bool = False) -> dict:
     if cfg.resume:
         start_step, losses = load_checkpoint(cfg.checkpoint, model, optim)
         losses = losses[:start_step]
-    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else matmul_peak(device)
+    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else world_matmul_peak()
     last = cfg.stop_after or cfg.steps
     times, evals = [], []
     progress = _Progress(cfg, last, start_step) if cfg.progress and dist.get_rank() == 0 else None

@@ -58,8 +58,12 @@ def run(args) -> int:
         threads = max(1, cores // world_size)
         err.print(f"starting {world_size} local process(es), {threads} thread(s) each")
         with LocalWorld(world_size, threads=threads) as world:
+            peak = args.peak_tflops
+            if peak is None:  # one measured peak per world, so MFU compares the runs on it
+                peak = world.run(train.world_matmul_peak, timeout=120)[0] / 1e12
+                err.print(f"measured matmul peak: {peak * 1e3:.1f} GFLOP/s per rank")
             for cfg in (c for c in runs if c.world == world_size):
-                one = dataclasses.replace(cfg, progress=True, log=None, plot=None)
+                one = dataclasses.replace(cfg, progress=True, log=None, plot=None, peak_tflops=peak)
                 results = world.run(train.run_rank, timeout=args.timeout, name=f"cpattn train {cfg.schedule}",
                                     config=dataclasses.asdict(one))
                 failed = [r for r in results if isinstance(r, RankError)]
