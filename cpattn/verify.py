@@ -275,13 +275,20 @@ def schedule_of(case: Case):
 
 def rank_case(**fields) -> dict:
     """Run one case on this rank; returns local results (numpy, float64) and communication counts."""
+    from .masks import from_spec
+
+    case = Case(**fields)
+    return run_case_on_rank(case, from_spec(case.mask_spec))
+
+
+def run_case_on_rank(case: Case, mask) -> dict:
+    """:func:`rank_case` with its mask given (a mask with no JSON spec, built on this rank: a
+    ``from_mask_mod`` mask, which cannot travel to the worker)."""
     import torch.distributed as dist
 
     from .api import ContextParallel
-    from .masks import from_spec
     from .topology import Topology
 
-    case = Case(**fields)
     group = None
     if case.group is not None:
         group = _subgroup(tuple(case.group))
@@ -293,7 +300,7 @@ def rank_case(**fields) -> dict:
         checked = dp_index == case.replica
     x = make_inputs(case)
     topology = Topology(*case.topology) if case.topology is not None else None
-    cp = ContextParallel(case.seq, from_spec(case.mask_spec), schedule_of(case), group=group, backend=case.backend,
+    cp = ContextParallel(case.seq, mask, schedule_of(case), group=group, backend=case.backend,
                          topology=topology, layout=case.layout)
     pad = cp.positions() < 0
     noise = torch.Generator().manual_seed(10_000 + 100 * case.seed + cp.rank)
@@ -561,8 +568,10 @@ def _compare_levels(case: Case, results: list[dict]) -> list[str]:
     return bad
 
 
-def check(case: Case, per_rank: list) -> CaseResult:
-    """Judge the per-rank outputs of :func:`rank_case` (or the errors they raised)."""
+def check(case: Case, per_rank: list, allowed: torch.Tensor | None = None, mask_name: str | None = None) -> CaseResult:
+    """Judge the per-rank outputs of :func:`rank_case` (or the errors they raised). ``allowed``,
+    ``mask_name``: the reference's dense mask and its name when the case's mask is not a JSON spec
+    (:func:`run_case_on_rank`); by default, the case's own."""
     from .launcher import RankError
 
     res = CaseResult(case)
@@ -573,9 +582,10 @@ def check(case: Case, per_rank: list) -> CaseResult:
     members = sorted((r for r in per_rank if r["member"]), key=lambda r: r["rank"])
     x = make_inputs(case)
     scale = kernels.default_scale(case.head_dim)
-    allowed = dense_mask(case.mask, case.seq, case.mask_args)
+    if allowed is None:
+        allowed, mask_name = dense_mask(case.mask, case.seq, case.mask_args), case.mask
     ref = reference(x["q"], x["k"], x["v"], x["dout"], allowed, scale)
-    e_local = local_errors(x, case.mask, scale, allowed, ref)
+    e_local = local_errors(x, mask_name, scale, allowed, ref)
     got = {}
     for q in QUANTITIES:
         got[q] = assemble(members, q, 2 if q == "lse" else 1)

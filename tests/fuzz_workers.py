@@ -25,8 +25,8 @@ from dataclasses import asdict
 
 import torch
 
-from cpattn import masks, trace, verify
-from cpattn.launcher import RankError, WorldError
+from cpattn import masks, verify
+from cpattn.launcher import WorldError
 
 #: multiplier of the block hash of ``random_blocks`` (Knuth's); products stay far below 2**63
 _HASH = 2654435761
@@ -97,77 +97,16 @@ def label(case: verify.Case, mod: dict | None) -> str:
 
 # ---------------------------------------------------------------------------------- worker side
 def mask_mod_case(mod: dict, **fields) -> dict:
-    """``verify.rank_case`` with the mask of :func:`build_mask`: this rank's results (numpy, float64),
-    communication counts and the run against the schedule's steps."""
-    import torch.distributed as dist
-
-    from cpattn.api import ContextParallel
-    from cpattn.topology import Topology
-
+    """``verify.rank_case`` with the mask of :func:`build_mask`, built here on the rank (a predicate
+    cannot travel to the worker): this rank's results, counts and the run against its steps."""
     case = verify.Case(**fields)
-    group = None
-    if case.group is not None:
-        group = verify._subgroup(tuple(case.group))  # the harness's subgroups, created once per world
-        if dist.get_rank() not in case.group:
-            return {"member": False}
-    x = verify.make_inputs(case)
-    topology = Topology(*case.topology) if case.topology is not None else None
-    cp = ContextParallel(case.seq, build_mask(case, mod), verify.schedule_of(case), group=group,
-                         backend=case.backend, topology=topology, layout=case.layout)
-    pad = cp.positions() < 0
-    noise = torch.Generator().manual_seed(20_000 + 100 * case.seed + cp.rank)
-
-    def local(name: str) -> torch.Tensor:
-        """This rank's tokens; padding rows hold random values, which must not matter."""
-        t = cp.shard(x[name])
-        t[:, pad] = torch.randn(t[:, pad].shape, generator=noise, dtype=torch.float64).to(t.dtype)
-        return t
-
-    q, k, v = (local(n).requires_grad_() for n in ("q", "k", "v"))
-    dout = local("dout")
-    cp.reset_comm_stats()
-    with trace.recording() as fwd_events:
-        out, lse = cp.attention(q, k, v, return_lse=True)
-    fwd = cp.comm_stats()
-    cp.reset_comm_stats()
-    with trace.recording() as bwd_events:
-        out.backward(dout)
-    bwd = cp.comm_stats()
-    own_blocks = case.layout is None and cp.padded_len == cp.seq_len
-    spec = verify.spec_report(cp, q, k, {"forward": fwd_events, "backward": bwd_events}, own_blocks)
-
-    def np64(t: torch.Tensor):
-        return t.detach().to(torch.float64).numpy() if t.is_floating_point() else t.detach().numpy()
-
-    return {"member": True, "rank": cp.rank, "positions": np64(cp.positions()), "out": np64(out),
-            "lse": np64(lse), "dq": np64(q.grad), "dk": np64(k.grad), "dv": np64(v.grad),
-            "measured": {"forward": fwd, "backward": bwd}, "expected": cp.expected_volume(q, k), "spec": spec}
+    return verify.run_case_on_rank(case, build_mask(case, mod))
 
 
 # ---------------------------------------------------------------------------------- parent side
 def check(case: verify.Case, mod: dict, per_rank: list) -> verify.CaseResult:
     """``verify.check`` with the reference mask of :func:`reference_mask`."""
-    res = verify.CaseResult(case)
-    errs = [r for r in per_rank if isinstance(r, RankError)]
-    if errs:
-        res.failure = f"{errs[0]}\n{errs[0].traceback}"
-        return res
-    members = sorted((r for r in per_rank if r["member"]), key=lambda r: r["rank"])
-    x = verify.make_inputs(case)
-    scale = verify.kernels.default_scale(case.head_dim)
-    allowed = reference_mask(case, mod)
-    ref = verify.reference(x["q"], x["k"], x["v"], x["dout"], allowed, scale)
-    e_local = verify.local_errors(x, "mask_mod", scale, allowed, ref)
-    got = {}
-    for q in verify.QUANTITIES:
-        got[q] = verify.assemble(members, q, 2 if q == "lse" else 1)
-        res.errors[q] = verify.rel_error(got[q], ref[q])
-        res.tolerances[q] = 2 * e_local[q] + 1e-6
-    # the harness's own judges of communication, steps and exact zeros
-    res.comm_mismatches = verify._compare_comm(members)
-    res.spec_mismatches = verify._compare_spec(members)
-    res.exact_violations = verify._exact_checks(members, got, allowed)
-    return res
+    return verify.check(case, per_rank, allowed=reference_mask(case, mod), mask_name="mask_mod")
 
 
 def run(world, case: verify.Case, mod: dict | None, timeout: float) -> verify.CaseResult:
