@@ -35,6 +35,8 @@ from .masks import document
 MODELS = ("llama", "vit")
 TASKS = {"llama": ("recall", "documents"), "vit": ("fields",)}
 DEFAULT_SCHEDULE = {"llama": "zigzag_ring", "vit": "ringx1o"}
+#: ``--mask`` -> the task that trains with that mask
+MASK_TASKS = {"causal": "recall", "document": "documents", "full": "fields"}
 #: rows of the held-out batch each evaluation uses
 EVAL_BATCH = 64
 #: trajectories and time steps of the generated fields the ViT trains on
@@ -477,6 +479,9 @@ def add_arguments(p, compare: bool = False) -> None:
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence (llama)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step over the whole world")
     p.add_argument("--task", default=None, help="recall or documents (llama), fields (vit)")
+    p.add_argument("--mask", choices=sorted(MASK_TASKS), default=None,
+                   help="the attention mask, naming the task that trains with it: causal (recall), document "
+                        "(packed documents), full (the vit's fields)")
     p.add_argument("--documents", default="", help="comma-separated document lengths (task documents)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -496,8 +501,14 @@ def config_from_args(args, world: int, cp: int | None = None, schedule: str | No
     if cp is None:
         cp = args.cp if args.cp is not None else world // max(1, args.dp)
     docs = tuple(int(x) for x in args.documents.split(",") if x.strip()) if args.documents else ()
+    task = args.task
+    if args.mask is not None:
+        implied = MASK_TASKS[args.mask]
+        if task is not None and task != implied:
+            raise ValueError(f"--mask {args.mask} trains task {implied!r}, but --task is {task!r}")
+        task = implied
     return TrainConfig(model=args.model, config=args.config, dp=args.dp, cp=cp, schedule=schedule or args.schedule,
-                       steps=args.steps, seq=args.seq, batch=args.batch, task=args.task, lr=args.lr, seed=args.seed,
+                       steps=args.steps, seq=args.seq, batch=args.batch, task=task, lr=args.lr, seed=args.seed,
                        stop_after=args.stop_after, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, eval_every=args.eval_every, peak_tflops=args.peak_tflops,
                        progress=True, log=args.log, plot=args.plot, documents=docs)

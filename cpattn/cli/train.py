@@ -42,7 +42,10 @@ def configs(args) -> list:
     for name in names:
         if name is not None:
             schedules.get(name)  # an unknown name fails here
-    return [train.config_from_args(args, args.dp * cp, cp=cp, schedule=name) for cp in cps for name in names]
+    runs = [train.config_from_args(args, args.dp * cp, cp=cp, schedule=name) for cp in cps for name in names]
+    if len(runs) > 1 and args.checkpoint:
+        raise ValueError("--checkpoint takes one run: give one --cp and one --schedule")
+    return runs
 
 
 def run(args) -> int:
