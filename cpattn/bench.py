@@ -3,7 +3,8 @@
 One process runs the same attention on the whole sequence with all the cores the N ranks share; each
 schedule runs on an N-rank gloo world with cores / N threads per rank. Each configuration is checked
 once against the one-process result before it is timed; a wrong schedule is reported, not timed.
-Times are the median over iterations of the slowest rank's time.
+Times are the median over iterations of the slowest rank's time. A masked configuration also times
+dense causal attention in one process (for the mask efficiency) and, as a peer, FlexAttention.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
-from . import masks
+from . import masks, memory
 from .kernels import DTYPES
 from .steps import attention_flops
 from .verify import assemble
@@ -61,51 +62,14 @@ class BenchRow:
     fwd_speedup: float = float("nan")
     bytes_sent: int = 0  # busiest rank, one forward + backward
     bytes_recv: int = 0
-    peak_mem_bytes: int = 0  # busiest rank, growth during forward + backward
+    peak_mem_bytes: int = 0  # busiest rank, peak live tensor bytes during forward + backward
+    mask_efficiency: float = float("nan")  # masked configurations: see mask_efficiency(), fwd + bwd
+    fwd_mask_efficiency: float = float("nan")
     pred_fwd_s: float = float("nan")  # cost-model prediction (see predict)
     pred_fwd_bwd_s: float = float("nan")
     pred_fwd_error: float = float("nan")  # (predicted - measured) / measured
     pred_error: float = float("nan")  # forward + backward
     extra: dict = field(default_factory=dict)
-
-
-class _PeakRSS:
-    """Resident-set growth during a region, sampled every few ms in a background thread (CPU), or
-    torch.cuda.max_memory_allocated on GPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peak = 0
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            return self
-        import psutil
-
-        self._proc = psutil.Process()
-        self.base = self._proc.memory_info().rss
-        self._stop = threading.Event()
-        self._max = self.base
-
-        def sample() -> None:
-            while not self._stop.is_set():
-                self._max = max(self._max, self._proc.memory_info().rss)
-                self._stop.wait(0.002)
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
-            return
-        self._stop.set()
-        self._thread.join()
-        self._max = max(self._max, self._proc.memory_info().rss)
-        self.peak = self._max - self.base
 
 
 def _inputs(cfg: BenchConfig, device) -> dict[str, torch.Tensor]:
@@ -154,7 +118,7 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False) -> dict:
              (("out", out), ("dq", qq.grad), ("dk", kk.grad), ("dv", vv.grad))}
     times: dict[str, list[float]] = {"fwd": [], "fwd_bwd": []}
     cp.reset_comm_stats()
-    with _PeakRSS(device) as mem:
+    with memory.PeakTracker(device) as mem:
         step(True)
     traffic = cp.comm_stats()["total"]
     for phase, backward in (("fwd", False), ("fwd_bwd", True)):
@@ -165,7 +129,7 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False) -> dict:
             if it >= c.warmup:
                 times[phase].append(time.perf_counter() - t0)
     return {"rank": cp.rank, "positions": cp.positions().numpy(), "check": check, "times": times,
-            "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"], "peak": mem.peak,
+            "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"], "peak": mem.peak_bytes,
             "work": None if work is None else {"max": work.max, "mean": work.mean, "imbalance": work.imbalance}}
 
 
@@ -192,8 +156,107 @@ def flops(cfg: BenchConfig) -> tuple[float, float]:
             attention_flops(cfg.batch, cfg.heads, cfg.head_dim, pairs, "forward+backward"))
 
 
-def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: float = 1800.0) -> dict:
-    """Benchmark ``schedule_names``; returns ``{"config", "baseline", "rows", "environment"}``."""
+def is_masked(mask) -> bool:
+    """Whether ``mask`` (a name, spec or :class:`~cpattn.masks.Mask`) is anything but plain causal or full
+    attention: the configurations that get a mask efficiency and the FlexAttention peer."""
+    return type(masks.resolve(mask)) not in (masks.CausalMask, masks.FullMask)
+
+
+def mask_efficiency(causal_s: float, mask, seq: int, t_s: float) -> float:
+    """T(dense causal attention, one process) x (pairs ``mask`` allows / causal pairs) / ``t_s``: how
+    close a time ``t_s`` comes to running only the pairs the mask allows at the speed of dense causal
+    attention (about 1 for a kernel that skips masked work perfectly; on a CPU the ranks share the
+    reference's cores, so 1 is also the ceiling of a schedule)."""
+    ratio = masks.allowed_pairs(masks.resolve(mask), seq) / (seq * (seq + 1) / 2)
+    return causal_s * ratio / t_s
+
+
+#: the largest sequence whose mask FlexAttention gets as a dense S x S boolean table (256 MiB)
+FLEX_DENSE_MAX_SEQ = 16384
+#: masks whose own ``mask_mod`` is index arithmetic on Python numbers, which torch.compile traces whole
+_ARITHMETIC = (masks.FullMask, masks.CausalMask, masks.SlidingWindowMask, masks.StreamingMask,
+               masks.GlobalLocalMask, masks.StridedMask)
+
+
+def flex_mask_mod(mask: masks.Mask, seq: int, device=None) -> tuple[Callable, str]:
+    """A FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` for ``mask`` over ``seq`` positions that
+    ``torch.compile`` traces as one graph, and how it is built: the mask's own index arithmetic
+    (windows, blocks, strides), a document-id lookup (``doc[q] == doc[kv]``), ``&`` / ``|`` of those,
+    or else a dense ``[seq, seq]`` boolean table indexed by position (ValueError past
+    :data:`FLEX_DENSE_MAX_SEQ`)."""
+    if isinstance(mask, _ARITHMETIC):
+        return (lambda b, h, q, kv: mask.mask_mod(q, kv)), "arithmetic"
+    if isinstance(mask, masks.DocumentMask):
+        lengths = torch.tensor(mask.lengths)
+        doc = torch.repeat_interleave(torch.arange(len(mask.lengths)), lengths).to(device)
+        if mask.causal:
+            return (lambda b, h, q, kv: (doc[q] == doc[kv]) & (kv <= q)), "document ids"
+        return (lambda b, h, q, kv: doc[q] == doc[kv]), "document ids"
+    if isinstance(mask, (masks.AndMask, masks.OrMask)):
+        (fa, ha), (fb, hb) = flex_mask_mod(mask.a, seq, device), flex_mask_mod(mask.b, seq, device)
+        how = ha if ha == hb else f"{ha}, {hb}"
+        if isinstance(mask, masks.AndMask):
+            return (lambda b, h, q, kv: fa(b, h, q, kv) & fb(b, h, q, kv)), how
+        return (lambda b, h, q, kv: fa(b, h, q, kv) | fb(b, h, q, kv)), how
+    if seq > FLEX_DENSE_MAX_SEQ:
+        raise ValueError(f"{mask!r} has no FlexAttention form but a dense S x S table, too large at S={seq} "
+                         f"(limit {FLEX_DENSE_MAX_SEQ})")
+    dense = mask.dense(0, seq, 0, seq).to(device)
+    return (lambda b, h, q, kv: dense[q, kv]), "dense S x S table"
+
+
+def rank_flex(cfg: dict) -> dict:
+    """Runs in the one-process world: FlexAttention of the whole problem, ``torch.compile``-d (one graph,
+    no fallback), forward only (FlexAttention has no CPU backward). Returns ``fwd_s`` (median over
+    ``iters`` after ``warmup``), ``compile_s`` (the first call), ``mask_mod`` (how the mask was given)
+    and ``out`` ``[b, s, h, d]`` for the check; or only a ``note`` saying why it could not run."""
+    c = BenchConfig(**cfg)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as exc:
+        return {"note": f"torch {torch.__version__} has no FlexAttention ({exc})"}
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        mod, how = flex_mask_mod(masks.resolve(c.mask), c.seq, device)
+    except ValueError as exc:
+        return {"note": str(exc)}
+    x = _inputs(c, device)
+    q, k, v = (x[n].transpose(1, 2).contiguous() for n in ("q", "k", "v"))
+    del x
+    block = create_block_mask(mod, None, None, c.seq, c.seq, device=device)
+    fn = torch.compile(flex_attention, fullgraph=True)
+
+    def call() -> torch.Tensor:
+        with torch.no_grad():
+            out = fn(q, k, v, block_mask=block, enable_gqa=c.heads != c.kv_heads)
+        _sync(device)
+        return out
+
+    t0 = time.perf_counter()
+    try:
+        out = call()
+    except Exception as exc:  # no C++ compiler / Triton, a dtype or shape it lacks: a note, not a failure
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        return {"note": f"torch.compile(flex_attention) failed here: {type(exc).__name__}: {first}"}
+    compile_s = time.perf_counter() - t0
+    times = []
+    for it in range(c.warmup + c.iters):
+        t0 = time.perf_counter()
+        call()
+        if it >= c.warmup:
+            times.append(time.perf_counter() - t0)
+    return {"fwd_s": statistics.median(times) if times else float("nan"), "compile_s": compile_s,
+            "mask_mod": how, "out": out.transpose(1, 2).float().cpu().numpy()}
+
+
+def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: float = 1800.0,
+        flex: bool | None = None) -> dict:
+    """Benchmark ``schedule_names``; returns ``{"config", "baseline", "rows", "environment"}``.
+
+    A masked configuration (:func:`is_masked`) also times dense causal attention in the one-process
+    world (``baseline["causal_fwd_s"]``, ``["causal_fwd_bwd_s"]``) and gives every row its
+    :func:`mask_efficiency`. ``flex`` adds the FlexAttention peer (:func:`rank_flex`,
+    ``baseline["flex"]``); None = only for a masked configuration."""
     from . import schedules
     from .launcher import LocalWorld, RankError
 
@@ -213,14 +276,34 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
         errs = [r for r in res if isinstance(r, RankError)]
         return f"{errs[0]}" if errs else None
 
+    masked = is_masked(mask)
+    flex = masked if flex is None else flex
+    causal, flex_res = None, None
     say(f"one process, {tpr * cfg.world} threads, S={cfg.seq}")
     with LocalWorld(1, threads=tpr * cfg.world) as w:
         base = w.run(rank_bench, timeout=timeout, name="one process", schedule="ring", cfg=asdict(cfg),
                      baseline=True)
-    if fail(base):
-        raise RuntimeError(f"the one-process baseline failed: {fail(base)}")
+        if fail(base):
+            raise RuntimeError(f"the one-process baseline failed: {fail(base)}")
+        if masked:  # the reference of the mask efficiency: dense causal attention, same shape and phases
+            say(f"one process, dense causal reference, S={cfg.seq}")
+            causal = w.run(rank_bench, timeout=timeout, name="one process, causal", schedule="ring",
+                           cfg={**asdict(cfg), "mask": "causal"}, baseline=True)
+            if fail(causal):
+                raise RuntimeError(f"the one-process causal reference failed: {fail(causal)}")
+        if flex:
+            say("FlexAttention peer: torch.compile (can take tens of seconds), then forward timing")
+            flex_res = w.run(rank_flex, timeout=timeout, name="flex", cfg=asdict(cfg))[0]
+            if isinstance(flex_res, RankError):
+                flex_res = {"note": f"FlexAttention raised: {flex_res}"}
     base_fb, base_f = _slowest_median(base, "fwd_bwd"), _slowest_median(base, "fwd")
     ref = {n: _assemble(base, n) for n in ("out", "dq", "dk", "dv")}
+    if flex_res is not None and "out" in flex_res:
+        flex_res["error"] = _rel(flex_res.pop("out").astype(np.float64), ref["out"])
+        if not flex_res["error"] <= CHECK_TOLERANCE[cfg.dtype]:
+            flex_res = {"note": f"FlexAttention WRONG: relative error {flex_res['error']:.2e} vs one process"}
+    if causal is not None:
+        causal_fb, causal_f = _slowest_median(causal, "fwd_bwd"), _slowest_median(causal, "fwd")
     rows = []
     with LocalWorld(cfg.world, threads=tpr) as w:
         for name in schedule_names:
@@ -243,9 +326,20 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
             row.bytes_recv = max(r["bytes_recv"] for r in res)
             row.peak_mem_bytes = max(r["peak"] for r in res)
             row.extra["work"] = res[0]["work"]
+            if causal is not None:
+                row.mask_efficiency = mask_efficiency(causal_fb, mask, cfg.seq, row.fwd_bwd_s)
+                row.fwd_mask_efficiency = mask_efficiency(causal_f, mask, cfg.seq, row.fwd_s)
             rows.append(row)
     baseline = {"fwd_s": base_f, "fwd_bwd_s": base_fb, "peak_mem_bytes": base[0]["peak"],
                 "tflops": total_flops / base_fb / 1e12, "fwd_flops": fwd_flops, "fwd_bwd_flops": total_flops}
+    if causal is not None:
+        baseline |= {"causal_fwd_s": causal_f, "causal_fwd_bwd_s": causal_fb,
+                     "mask_efficiency": mask_efficiency(causal_fb, mask, cfg.seq, base_fb),
+                     "fwd_mask_efficiency": mask_efficiency(causal_f, mask, cfg.seq, base_f)}
+    if flex_res is not None:
+        if "fwd_s" in flex_res and causal is not None:
+            flex_res["fwd_mask_efficiency"] = mask_efficiency(causal_f, mask, cfg.seq, flex_res["fwd_s"])
+        baseline["flex"] = flex_res
     env = {"cores": os.cpu_count(), "threads_per_rank": tpr, "torch": torch.__version__,
            "device": "cuda" if torch.cuda.is_available() else "cpu", "backend": "gloo"}
     return {"config": asdict(cfg), "baseline": baseline, "rows": [asdict(r) for r in rows], "environment": env}
@@ -328,11 +422,22 @@ def render(result: dict):
                "times: median over iterations of the slowest rank; "
                "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd; vs X = T(X) / T(schedule), "
                "forward+backward; layout work max/mean = allowed pairs of the busiest rank's queries over the mean")
+    caption += "; peak MB/rank = most live tensor bytes during one forward+backward (cpattn.memory)"
+    masked = "causal_fwd_bwd_s" in base
+    if masked:
+        ratio = masks.allowed_pairs(masks.resolve(cfg["mask"]), cfg["seq"]) / (cfg["seq"] * (cfg["seq"] + 1) / 2)
+        caption += (f"; mask eff = T(dense causal, one process: fwd {base['causal_fwd_s'] * 1e3:.1f} ms, fwd+bwd "
+                    f"{base['causal_fwd_bwd_s'] * 1e3:.1f} ms) x allowed / causal pairs ({ratio:.3f}) / T(schedule), "
+                    f"forward+backward, 1 = at the speed of the mask (one process: {base['mask_efficiency']:.2f})")
+    flex = base.get("flex")
+    if flex is not None:
+        caption += f"; {flex_note(flex, env['threads_per_rank'] * cfg['world'])}"
     if predicted:
         caption += (f"; predicted on topology {result['prediction']['topology']!r}, "
                     "error = (predicted - measured) / measured")
     t = Table(title=title, caption=caption)
-    cols = ["schedule", "fwd ms", "fwd+bwd ms", "TFLOP/s/rank", "vs 1 proc", *[f"vs {n}" for n in refs],
+    cols = ["schedule", "fwd ms", *(["flex fwd ms"] if flex is not None else []), "fwd+bwd ms", "TFLOP/s/rank",
+            "vs 1 proc", *(["mask eff"] if masked else []), *[f"vs {n}" for n in refs],
             "sent MB/rank", "recv MB/rank", "peak MB/rank", "layout work max/mean", "max rel err"]
     if predicted:
         cols += ["pred fwd ms", "pred fwd+bwd ms", "pred err"]
@@ -343,8 +448,10 @@ def render(result: dict):
             t.add_row(r["schedule"], "[red]" + r["note"][:80] + "[/red]", *[""] * (len(cols) - 2))
             continue
         work = r["extra"].get("work")
-        cells = [r["schedule"], f"{r['fwd_s'] * 1e3:.1f}", f"{r['fwd_bwd_s'] * 1e3:.1f}",
-                 f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x",
+        cells = [r["schedule"], f"{r['fwd_s'] * 1e3:.1f}",
+                 *([f"{flex['fwd_s'] * 1e3:.1f}" if "fwd_s" in flex else "-"] if flex is not None else []),
+                 f"{r['fwd_bwd_s'] * 1e3:.1f}", f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x",
+                 *([f"{r['mask_efficiency']:.2f}"] if masked else []),
                  *[f"{ok[n]['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}x" for n in refs],
                  f"{r['bytes_sent'] / 1e6:.1f}", f"{r['bytes_recv'] / 1e6:.1f}", f"{r['peak_mem_bytes'] / 1e6:.1f}",
                  f"{work['imbalance']:.2f}" if work else "-", f"{r['error']:.1e}"]
@@ -356,6 +463,17 @@ def render(result: dict):
                 cells += ["-", "-", "not modelled"]
         t.add_row(*cells)
     return t
+
+
+def flex_note(flex: dict, threads: int) -> str:
+    """The caption's account of the FlexAttention peer: what was run, or why it was not."""
+    if "fwd_s" not in flex:
+        return f"flex fwd ms: not run ({flex['note']})"
+    out = (f"flex fwd ms = torch FlexAttention, torch.compile (compiled in {flex['compile_s']:.1f} s), forward only, "
+           f"one process, {threads} threads, mask as {flex['mask_mod']}, max rel err {flex['error']:.1e}")
+    if "fwd_mask_efficiency" in flex:
+        out += f", mask eff fwd {flex['fwd_mask_efficiency']:.2f}"
+    return out
 
 
 def save_json(result: dict, path: str) -> None:
@@ -383,5 +501,5 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["BenchConfig", "BenchRow", "flops", "plot", "predict", "prediction_summary", "render", "run",
-           "save_json"]
+__all__ = ["BenchConfig", "BenchRow", "flex_mask_mod", "flops", "is_masked", "mask_efficiency", "plot", "predict",
+           "prediction_summary", "render", "run", "save_json"]

@@ -7,7 +7,10 @@ import dataclasses
 import json
 import math
 
-from cpattn import bench, cli
+import pytest
+import torch
+
+from cpattn import bench, cli, masks
 
 
 def _columns(result: dict) -> dict[str, list[str]]:
@@ -15,7 +18,7 @@ def _columns(result: dict) -> dict[str, list[str]]:
     return {col.header: [str(c) for c in col.cells] for col in bench.render(result).columns}
 
 
-def _synthetic(predicted: bool = False) -> dict:
+def _synthetic(predicted: bool = False, masked: bool = False, flex: dict | None = None) -> dict:
     """A bench result with chosen timings (no processes): three timed rows and one wrong row."""
     cfg = bench.BenchConfig(world=4, seq=256, mask={"kind": "sliding_window", "window": 8})
     rows = [bench.BenchRow("ring", fwd_s=0.1, fwd_bwd_s=0.4, tflops_per_rank=0.5, speedup=0.5, bytes_sent=3_000_000,
@@ -28,6 +31,11 @@ def _synthetic(predicted: bool = False) -> dict:
     result = {"config": dataclasses.asdict(cfg), "rows": [dataclasses.asdict(r) for r in rows],
               "baseline": {"fwd_s": 0.05, "fwd_bwd_s": 0.2},
               "environment": {"cores": 2, "threads_per_rank": 1, "torch": "x", "backend": "gloo"}}
+    if masked:
+        result["baseline"] |= {"causal_fwd_s": 0.02, "causal_fwd_bwd_s": 0.1, "mask_efficiency": 0.5}
+        for row, eff in zip(result["rows"], (0.25, 0.5, math.nan, 0.125)):
+            row["mask_efficiency"] = eff
+        result["baseline"]["flex"] = flex
     if predicted:
         for row, (fwd, both) in zip(result["rows"], [(0.1, 0.5), (0.04, 0.1), (0, 0), (math.nan, math.nan)]):
             if row["ok"]:
@@ -50,6 +58,7 @@ def test_render_shows_the_rows_and_the_ratios_of_their_timings():
     assert cols["layout work max/mean"] == ["1.75", "1.00", "", "-"]
     assert cols["max rel err"][0] == "1.5e-07"
     assert not any(h.startswith("pred") for h in cols)
+    assert "mask eff" not in cols and "flex fwd ms" not in cols  # only for masked configurations
     table = bench.render(_synthetic())
     assert "P=4" in table.title and '{"kind":"sliding_window","window":8}' in table.title
 
@@ -63,6 +72,63 @@ def test_render_adds_the_predictions():
     result = _synthetic()
     result["rows"] = result["rows"][1:]
     assert "vs ring" not in _columns(result) and "vs zigzag_ring" in _columns(result)
+
+
+def test_render_adds_mask_efficiency_and_the_flex_peer():
+    flex = {"fwd_s": 0.03, "compile_s": 12.0, "mask_mod": "arithmetic", "error": 2e-7, "fwd_mask_efficiency": 0.9}
+    result = _synthetic(masked=True, flex=flex)
+    cols = _columns(result)
+    assert cols["mask eff"] == ["0.25", "0.50", "", "0.12"]
+    assert cols["flex fwd ms"] == ["30.0", "30.0", "", "30.0"]
+    caption = str(bench.render(result).caption)
+    assert "mask eff = T(dense causal" in caption and "compiled in 12.0 s" in caption and "forward only" in caption
+    # flex that could not run: a dash in the column and the reason in the caption, never silence
+    result = _synthetic(masked=True, flex={"note": "torch.compile(flex_attention) failed here: no compiler"})
+    assert _columns(result)["flex fwd ms"] == ["-", "-", "", "-"]
+    assert "not run (torch.compile(flex_attention) failed here: no compiler)" in str(bench.render(result).caption)
+
+
+def test_mask_efficiency_is_causal_time_scaled_by_the_allowed_pairs():
+    assert not bench.is_masked("causal") and not bench.is_masked("full")
+    assert bench.is_masked({"kind": "document", "lengths": [3, 5]})
+    # two documents of 4: 2 x 10 allowed pairs of the 36 causal ones
+    eff = bench.mask_efficiency(0.9, {"kind": "document", "lengths": [4, 4]}, 8, 0.5)
+    assert math.isclose(eff, 0.9 * 20 / 36 / 0.5)
+
+
+MASKS = [masks.document([5, 17, 10]), masks.document([8, 24], causal=False), masks.sliding_window(6),
+         masks.strided(4, 3), masks.streaming(1, 2, 4), masks.global_local(4), masks.star(8),
+         masks.sliding_window(5) | masks.document([16, 16]), masks.block_table([[1, 0], [2, 1]], 16),
+         masks.from_mask_mod(lambda q, k: (q + k) % 3 == 0)]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=[repr(m) for m in MASKS])
+def test_flex_mask_mod_allows_exactly_the_pairs_of_the_mask(mask):
+    fn, how = bench.flex_mask_mod(mask, 32)
+    q, k = torch.arange(32).unsqueeze(1), torch.arange(32).unsqueeze(0)
+    assert torch.equal(fn(0, 0, q, k).expand(32, 32), mask.dense(0, 32, 0, 32))
+    expect = "document ids" if isinstance(mask, masks.DocumentMask) else \
+        "dense S x S table" if isinstance(mask, (masks.BlockTableMask, masks.MaskModMask)) else None
+    assert expect is None or how == expect
+
+
+def test_flex_mask_mod_refuses_a_dense_table_past_the_limit():
+    with pytest.raises(ValueError, match="too large"):
+        bench.flex_mask_mod(masks.from_mask_mod(lambda q, k: k <= q), bench.FLEX_DENSE_MAX_SEQ + 1)
+
+
+@pytest.mark.slow
+def test_bench_flex_peer_runs_compiled_and_checked():
+    """FlexAttention compiles (tens of seconds on two cores), runs and matches the one-process output."""
+    cfg = bench.BenchConfig(world=2, seq=256, heads=4, kv_heads=2, head_dim=16, warmup=0, iters=1,
+                            mask={"kind": "document", "lengths": [100, 156]})
+    result = bench.run(cfg, ["ring"], flex=True)
+    flex = result["baseline"]["flex"]
+    if "note" in flex:  # no compiler here: the reason is stated
+        assert "flex" in flex["note"].lower()
+    else:
+        assert flex["fwd_s"] > 0 and flex["error"] < 1e-4 and flex["mask_mod"] == "document ids"
+        assert "flex fwd ms" in _columns(result)
 
 
 def test_bench_runs_checks_and_renders(tmp_path):
@@ -94,14 +160,20 @@ def test_bench_cli_with_mask_spec_topology_and_plot(tmp_path, capsys):
     spec = '{"kind": "sliding_window", "window": 24}'
     rc = cli.main(["bench", "--world", "2", "--topology", "1x2", "--seq", "96", "--heads", "4", "--kv-heads", "2",
                    "--head-dim", "16", "--mask", spec, "--schedules", "ring,allgather", "--warmup", "0",
-                   "--iters", "1", "--plot", str(tmp_path / "b.png"), "--json", str(tmp_path / "b.json")])
+                   "--iters", "1", "--no-flex", "--plot", str(tmp_path / "b.png"), "--json", str(tmp_path / "b.json")])
     assert rc == 0
     assert (tmp_path / "b.png").stat().st_size > 0
     saved = json.loads((tmp_path / "b.json").read_text())
+    base = saved["baseline"]
+    assert "flex" not in base and base["causal_fwd_bwd_s"] > 0  # a masked configuration: the causal reference
+    for r in saved["rows"]:
+        assert math.isclose(r["mask_efficiency"], bench.mask_efficiency(base["causal_fwd_bwd_s"], json.loads(spec), 96,
+                                                                       r["fwd_bwd_s"]))
+        assert r["peak_mem_bytes"] > 0  # live tensor bytes: never 0 after warm-up
     assert saved["config"]["mask"] == json.loads(spec) and saved["config"]["topology"] == [1, 2]
     assert [(r["schedule"], r["ok"]) for r in saved["rows"]] == [("ring", True), ("allgather", True)]
     out = capsys.readouterr().out
-    assert "sliding_window" in out and "vs ring" in out and "allgather" in out
+    assert "sliding_window" in out and "vs ring" in out and "allgather" in out and "mask eff" in out
 
 
 def test_bench_rejects_bad_arguments_before_starting(capsys):

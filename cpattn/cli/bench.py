@@ -34,6 +34,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--iters", type=int, default=3)
     b.add_argument("--threads", type=int, default=0, help="torch threads per rank (default cores / world)")
+    b.add_argument("--flex", action=argparse.BooleanOptionalAction, default=None,
+                   help="time torch FlexAttention (torch.compile, forward only, one process) as a peer column; "
+                        "default: only for a masked configuration (neither causal nor full)")
     b.add_argument("--predict", action="store_true",
                    help="add the cost model's prediction and its error to each row, and the median |error|")
     b.add_argument("--profile", help="calibration profile for --predict (default: the one `cpattn calibrate` wrote)")
@@ -104,7 +107,8 @@ def run(args) -> int:
     results = []
     for cfg, names in todo:
         with console.status("starting") as status:
-            result = bench.run(cfg, names, progress=lambda msg, status=status: status.update(f"bench: {msg}"))
+            result = bench.run(cfg, names, progress=lambda msg, status=status: status.update(f"bench: {msg}"),
+                               flex=args.flex)
         if args.predict:
             bench.predict(result, profile)
         stdout().print(bench.render(result))
