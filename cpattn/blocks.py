@@ -2,11 +2,16 @@
 
 A rank holds queries at some global positions and receives keys/values at others. ``rectangles``
 classifies every (query range, key range) pair with the mask (ranges adjacent in both local order
-and position are treated as one), drops EMPTY ones, halves PARTIAL ones with a side longer than
-``PARTIAL_TILE`` recursively (the halves of a document or window mask are mostly EMPTY, FULL or CAUSAL,
-and the dense mask of what stays PARTIAL is small), densifies the remaining PARTIAL rectangles and
-fuses adjacent FULL blocks so that, e.g., zigzag's "all local queries against the first half of a
-remote chunk" becomes one kernel call. Slices are in *local* coordinates (rows of the local tensors).
+and position are treated as one) and drops EMPTY ones. A PARTIAL rectangle is covered by the mask's own
+pieces where it has them (:meth:`~cpattn.masks.Mask.cover`: one CAUSAL square per document, a window's
+band as CAUSAL and flipped CAUSAL squares, a table's cells), else halved recursively while a side is
+longer than ``PARTIAL_TILE`` (the halves are mostly EMPTY, FULL or CAUSAL, and the dense mask of what
+stays PARTIAL is small). Remaining PARTIAL rectangles are densified, and adjacent FULL blocks fused so
+that, e.g., zigzag's "all local queries against the first half of a remote chunk" becomes one kernel
+call. Slices are in *local* coordinates (rows of the local tensors).
+
+:func:`batches` groups blocks of one kind and shape into stacked kernel calls (docs/masks_speed.md), so a
+thousand 4-token documents cost a few kernel calls, not a thousand.
 
 Padding: positions ``>= valid_len`` are padding tokens (added when the sequence does not split evenly).
 They are cut out of every range before classification, so no block ever covers a padding row or
@@ -25,6 +30,8 @@ from .masks import BlockKind, CausalMask, FullMask, Mask
 
 #: PARTIAL rectangles with a side longer than this are halved and classified again (tokens)
 PARTIAL_TILE = 512
+#: most query (and key) rows one stacked kernel call gathers: bounds the copies :func:`batches` implies
+BATCH_ROWS = 16384
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,17 @@ class Block:
     kv: slice  # local key/value rows
     kind: BlockKind  # FULL, CAUSAL or PARTIAL (never EMPTY)
     mask: torch.Tensor | None = None  # bool [q rows, kv rows] for PARTIAL
+    flip: bool = False  # CAUSAL on reversed rows and keys: local row i attends local columns >= i
+
+    def dense(self) -> torch.Tensor:
+        """Boolean ``[q rows, kv rows]``: which local pairs this block computes."""
+        n, m = self.q.stop - self.q.start, self.kv.stop - self.kv.start
+        if self.kind == BlockKind.PARTIAL:
+            return self.mask
+        ones = torch.ones(n, m, dtype=torch.bool)
+        if self.kind == BlockKind.FULL:
+            return ones
+        return ones.triu() if self.flip else ones.tril()
 
     @property
     def area(self) -> int:
@@ -62,13 +80,19 @@ def _parts(ranges: Sequence[tuple[int, int]], valid_len: int | None) -> list[tup
 
 
 def _split(mask: Mask, a: int, b: int, c: int, d: int, tile: int,
-           out: list[tuple[int, int, int, int, BlockKind]]) -> None:
-    """Non-EMPTY rectangles covering ``[a, b) x [c, d)`` (global), PARTIAL ones halved down to ``tile``."""
+           out: list[tuple[int, int, int, int, BlockKind, bool]]) -> None:
+    """Non-EMPTY rectangles covering ``[a, b) x [c, d)`` (global): a PARTIAL one by the mask's cover, or
+    halved down to ``tile`` when the mask has none."""
     kind = mask.classify(a, b, c, d)
     if kind == BlockKind.EMPTY:
         return
+    if kind == BlockKind.PARTIAL:
+        pieces = mask.cover(a, b, c, d)
+        if pieces is not None:
+            out.extend(pieces)
+            return
     if kind != BlockKind.PARTIAL or max(b - a, d - c) <= tile:
-        out.append((a, b, c, d, kind))
+        out.append((a, b, c, d, kind, False))
         return
     rows = [(a, b)] if b - a <= tile else [(a, (a + b) // 2), ((a + b) // 2, b)]
     cols = [(c, d)] if d - c <= tile else [(c, (c + d) // 2), ((c + d) // 2, d)]
@@ -105,12 +129,80 @@ def rectangles(mask: Mask, q_ranges: Sequence[tuple[int, int]], kv_ranges: Seque
     out: list[Block] = []
     for qa, qb, qo in _parts(q_ranges, valid_len):
         for ka, kb, ko in _parts(kv_ranges, valid_len):
-            rects: list[tuple[int, int, int, int, BlockKind]] = []
+            rects: list[tuple[int, int, int, int, BlockKind, bool]] = []
             _split(mask, qa, qb, ka, kb, tile, rects)
-            for a, b, c, d, kind in rects:
+            for a, b, c, d, kind, flip in rects:
                 dense = mask.dense(a, b, c, d) if kind == BlockKind.PARTIAL else None
-                out.append(Block(slice(qo + a - qa, qo + b - qa), slice(ko + c - ka, ko + d - ka), kind, dense))
+                out.append(Block(slice(qo + a - qa, qo + b - qa), slice(ko + c - ka, ko + d - ka), kind, dense,
+                                 flip))
     return _fuse_full(out)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Blocks of one kind and one shape that run as one kernel call, stacked along the batch dimension.
+    Their query rows are disjoint, so their outputs scatter back without merging each other."""
+
+    kind: BlockKind
+    blocks: tuple[Block, ...]
+
+    @property
+    def stacked(self) -> bool:
+        """False for a lone unflipped block, which runs on slices of the local tensors (no copy)."""
+        return len(self.blocks) > 1 or self.blocks[0].flip
+
+    def _span(self, side: str) -> slice | None:
+        spans = [getattr(b, side) for b in self.blocks]
+        if any(b.flip for b in self.blocks) or any(a.stop != b.start for a, b in zip(spans, spans[1:])):
+            return None
+        return slice(spans[0].start, spans[-1].stop)
+
+    def row_span(self) -> slice | None:
+        """The local query rows as one slice when the blocks' rows follow each other unflipped, else None
+        (then :meth:`rows` gathers them)."""
+        return self._span("q")
+
+    def col_span(self) -> slice | None:
+        """The local key rows as one slice, as :meth:`row_span`."""
+        return self._span("kv")
+
+    def _index(self, side: str) -> torch.Tensor:
+        spans = [getattr(b, side) for b in self.blocks]
+        n = spans[0].stop - spans[0].start
+        step = torch.arange(n)
+        start = torch.tensor([s.start for s in spans]).unsqueeze(1)
+        flip = torch.tensor([b.flip for b in self.blocks]).unsqueeze(1)
+        return (start + torch.where(flip, n - 1 - step, step)).reshape(-1)
+
+    def rows(self) -> torch.Tensor:
+        """LongTensor ``[blocks x q rows]``: local query rows, block after block (reversed when flipped)."""
+        return self._index("q")
+
+    def cols(self) -> torch.Tensor:
+        """LongTensor ``[blocks x kv rows]``: local key rows, as :meth:`rows`."""
+        return self._index("kv")
+
+
+def batches(blocks: Sequence[Block], max_rows: int = BATCH_ROWS) -> list[Batch]:
+    """Group FULL and CAUSAL blocks of equal shape (flipped or not) into stacked calls whose blocks have
+    disjoint query rows and at most ``max_rows`` rows on either side; PARTIAL blocks stay alone."""
+    groups: dict[tuple, list[Block]] = {}
+    for b in blocks:
+        key = (b.kind, b.q.stop - b.q.start, b.kv.stop - b.kv.start) if b.kind != BlockKind.PARTIAL else (id(b),)
+        groups.setdefault(key, []).append(b)
+    out: list[Batch] = []
+    for group in groups.values():
+        n = max(group[0].q.stop - group[0].q.start, group[0].kv.stop - group[0].kv.start)
+        cap = max(1, max_rows // n)
+        lanes: list[list[Block]] = []  # sorted by start, each block joins the first lane it follows
+        for b in sorted(group, key=lambda b: (b.q.start, b.kv.start)):
+            lane = next((ln for ln in lanes if ln[-1].q.stop <= b.q.start and len(ln) < cap), None)
+            if lane is None:
+                lanes.append([b])
+            else:
+                lane.append(b)
+        out.extend(Batch(group[0].kind, tuple(ln)) for ln in lanes)
+    return sorted(out, key=lambda bt: (bt.blocks[0].q.start, bt.blocks[0].kv.start))
 
 
 def _clip(blocks: list[Block], q_real: int, kv_real: int) -> list[Block]:

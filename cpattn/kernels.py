@@ -8,6 +8,8 @@ alignment the same, so every kernel's causal flag means the same thing) or PARTI
 
 - ``forward(q, k, v, kind, scale, mask) -> (out [b, s_q, h, d], lse [b, h, s_q])``
 - ``backward(dout, q, k, v, out, lse, kind, scale, mask) -> (dq, dk, dv)``
+- ``forward_stacked`` / ``backward_stacked``: the same for ``pieces`` FULL or CAUSAL blocks of one shape
+  stacked along the batch dimension, in one call (``cpattn.blocks.batches``)
 
 Results are in the *accumulation dtype* (:func:`acc_dtype`: float32, or float64 for float64 inputs) so
 schedules merge and sum them without extra casts. The backward takes the *final* ``out`` and ``lse``
@@ -386,3 +388,29 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     _check_block(q, k, kind, mask)
     trace.compute("backward", kind.value, q.shape[1], k.shape[1])
     return _run_backward(kernel_for(q, kind, backend), dout, q, k, v, out, lse, kind, scale, mask, None)
+
+
+def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float, pieces: int,
+                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` of ``pieces`` equal-shaped FULL or CAUSAL blocks stacked along the batch dimension
+    (``q [pieces * b, s_q, h, d]``), in one kernel call. The trace records one compute event per block,
+    so recordings count blocks as ``steps()`` do."""
+    if kind == BlockKind.PARTIAL:
+        raise ValueError("stacked calls take FULL or CAUSAL blocks; a PARTIAL block has its own mask")
+    _check_block(q, k, kind, None)
+    for _ in range(pieces):
+        trace.compute("forward", kind.value, q.shape[1], k.shape[1])
+    return _run_forward(kernel_for(q, kind, backend), q, k, v, kind, scale, None, None)
+
+
+def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, kind: BlockKind, scale: float, pieces: int, backend: str = "auto"
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`backward` of ``pieces`` stacked blocks, as :func:`forward_stacked` (one call, one trace event
+    per block); each block's rows carry its rows' final ``out`` and ``lse``."""
+    if kind == BlockKind.PARTIAL:
+        raise ValueError("stacked calls take FULL or CAUSAL blocks; a PARTIAL block has its own mask")
+    _check_block(q, k, kind, None)
+    for _ in range(pieces):
+        trace.compute("backward", kind.value, q.shape[1], k.shape[1])
+    return _run_backward(kernel_for(q, kind, backend), dout, q, k, v, out, lse, kind, scale, None, None)

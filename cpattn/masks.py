@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import enum
 import operator
+from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 
@@ -70,6 +73,87 @@ def _row_chunks(q0: int, q1: int, per_row: int) -> Iterator[tuple[int, int]]:
         yield r0, min(q1, r0 + step)
 
 
+class Piece(NamedTuple):
+    """One piece of a rectangle's cover (:meth:`Mask.cover`): query rows ``[q0, q1)`` x keys ``[k0, k1)``
+    (global positions), FULL or CAUSAL. A CAUSAL piece is square; with ``flip`` its local row i attends
+    local columns >= i (the causal triangle of the reversed rows and keys), else columns <= i."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: BlockKind
+    flip: bool = False
+
+
+#: row tile of a sliding window's cover (tokens): past it, a tile's band is a FULL rectangle between two
+#: triangles, which the fused kernels run at full-block efficiency
+WINDOW_TILE = 256
+#: a structured cover gives up (the caller halves the rectangle instead) past this many row tiles or cells
+MAX_COVER_STEPS = 1 << 15
+
+
+def _lower(a: int, b: int, c: int, d: int) -> list[Piece]:
+    """Cover of the pairs ``k <= q`` of ``[a, b) x [c, d)``: one CAUSAL square on the diagonal and up to
+    two FULL rectangles (left of it, below it)."""
+    if d - 1 <= a:
+        return [Piece(a, b, c, d, BlockKind.FULL)]
+    if c >= b:
+        return []
+    lo, hi = max(a, c), min(b, d)
+    out = [Piece(lo, hi, lo, hi, BlockKind.CAUSAL)]
+    if c < lo:
+        out.append(Piece(lo, b, c, lo, BlockKind.FULL))
+    if hi < b:
+        out.append(Piece(hi, b, lo, hi, BlockKind.FULL))
+    return out
+
+
+def triangle(q0: int, q1: int, k0: int, k1: int, delta: int, flip: bool = False) -> list[Piece]:
+    """Cover of the pairs of ``[q0, q1) x [k0, k1)`` with ``k - q <= delta`` (``>= delta`` when ``flip``):
+    at most one CAUSAL square (flipped when ``flip``) and two FULL rectangles; [] when none attends."""
+    if q0 >= q1 or k0 >= k1:
+        return []
+    if flip:  # u = -1 - q, t = -1 - k turns k - q >= delta into t - u <= -delta
+        return [Piece(-p.q1, -p.q0, -p.k1, -p.k0, p.kind, p.kind == BlockKind.CAUSAL)
+                for p in triangle(-q1, -q0, -k1, -k0, -delta)]
+    return [Piece(p.q0, p.q1, p.k0 + delta, p.k1 + delta, p.kind) for p in _lower(q0, q1, k0 - delta, k1 - delta)]
+
+
+def _within(rect: tuple[int, int, int, int], r0: int, r1: int, c0: int, c1: int) -> tuple[int, int, int, int]:
+    q0, q1, k0, k1 = rect
+    return max(q0, r0), min(q1, r1), max(k0, c0), min(k1, c1)
+
+
+def _full_in(rect: tuple[int, int, int, int], r0: int, r1: int, c0: int, c1: int) -> list[Piece]:
+    a, b, c, d = _within(rect, r0, r1, c0, c1)
+    return [Piece(a, b, c, d, BlockKind.FULL)] if a < b and c < d else []
+
+
+def _triangle_in(rect: tuple[int, int, int, int], r0: int, r1: int, c0: int, c1: int, delta: int,
+                 flip: bool = False) -> list[Piece]:
+    return triangle(*_within(rect, r0, r1, c0, c1), delta, flip)
+
+
+def _cell_cover(rect: tuple[int, int, int, int], bs: int, qb0: int, kb0: int,
+                codes: torch.Tensor) -> list[Piece] | None:
+    """Cover from block cells: ``codes[i, j]`` (0 empty, 1 full, 2 causal on the cell's own corner) of
+    query block ``qb0 + i`` against key block ``kb0 + j``, each cell of ``bs`` tokens a side."""
+    nz = codes.nonzero()
+    if nz.shape[0] > MAX_COVER_STEPS:
+        return None
+    out: list[Piece] = []
+    for (i, j), code in zip(nz.tolist(), codes[nz[:, 0], nz[:, 1]].tolist()):
+        qb, kb = qb0 + i, kb0 + j
+        region = (qb * bs, (qb + 1) * bs, kb * bs, (kb + 1) * bs)
+        out += _full_in(rect, *region) if code == 1 else _triangle_in(rect, *region, (kb - qb) * bs)
+    return out
+
+
+def _block_range(a: int, b: int, bs: int) -> torch.Tensor:
+    return torch.arange(a // bs, (b - 1) // bs + 1)
+
+
 class Mask:
     """Base class. ``name`` identifies the kind of mask; ``is_causal`` is True when query i never
     attends a key j > i (lets causal-only schedules accept the mask).
@@ -94,6 +178,12 @@ class Mask:
     def classify(self, q0: int, q1: int, k0: int, k1: int) -> BlockKind:
         _check_rect(q0, q1, k0, k1)
         return _classify_dense(self, q0, q1, k0, k1)
+
+    def cover(self, q0: int, q1: int, k0: int, k1: int) -> list[Piece] | None:
+        """Pieces that cover exactly the allowed pairs of the rectangle, each pair once, as few FULL and
+        CAUSAL :class:`Piece` s as the mask's own structure gives (document squares, window bands, table
+        cells); None when the mask has none to offer (the caller then halves the rectangle)."""
+        return None
 
     def row_counts(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
         """LongTensor ``[q1 - q0]``: how many keys of ``[k0, k1)`` each query row attends."""
@@ -264,6 +354,9 @@ class CausalMask(IntervalMask):
     def mask_mod(self, q_idx, kv_idx):
         return kv_idx <= q_idx
 
+    def cover(self, q0, q1, k0, k1):
+        return triangle(q0, q1, k0, k1, 0)
+
     def intervals(self, q, k0, k1):
         return _col(torch.zeros_like(q)), _col(q + 1)
 
@@ -296,6 +389,29 @@ class SlidingWindowMask(IntervalMask):
         end = q + 1 if self.causal else q + self.window
         return _col(q - self.window + 1), _col(end)
 
+    def cover(self, q0, q1, k0, k1):
+        """Row tiles ``[a, a + t)`` at multiples of ``t = min(w, WINDOW_TILE)`` for the window ``w``: the
+        tile's own keys are one CAUSAL square (FULL when bidirectional), the keys every row of the tile
+        sees one FULL rectangle, the far edge (keys ``[a - w + 1, a + t - w)``) one flipped CAUSAL square,
+        and bidirectionally the near edge (keys ``[a + w, a + t + w - 1)``) a CAUSAL square shifted by
+        ``w - 1``: every pair once, nothing dense."""
+        w, rect = self.window, (q0, q1, k0, k1)
+        t = min(w, WINDOW_TILE)
+        tiles = range(q0 // t, (q1 - 1) // t + 1)
+        if len(tiles) > MAX_COVER_STEPS:
+            return None
+        out: list[Piece] = []
+        for i in tiles:
+            a = i * t
+            out += _triangle_in(rect, a, a + t, a - w + 1, a + t - w, 1 - w, flip=True)
+            if self.causal:
+                out += _full_in(rect, a, a + t, a + t - w, a)
+                out += _triangle_in(rect, a, a + t, a, a + t, 0)
+            else:
+                out += _full_in(rect, a, a + t, a + t - w, a + w)
+                out += _triangle_in(rect, a, a + t, a + w, a + t + w - 1, w - 1)
+        return out
+
     def spec(self) -> dict:
         return {"kind": "sliding_window", "window": self.window, "causal": self.causal}
 
@@ -314,6 +430,7 @@ class DocumentMask(IntervalMask):
     causal: bool = True
     name = "document"
     _ends: torch.Tensor = field(init=False, repr=False, compare=False)
+    _end_list: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         lengths = tuple(self.lengths)
@@ -323,6 +440,7 @@ class DocumentMask(IntervalMask):
             _positive("every document length", n)
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "_ends", torch.tensor(lengths, dtype=torch.long).cumsum(0))
+        object.__setattr__(self, "_end_list", tuple(accumulate(lengths)))
 
     @property
     def is_causal(self) -> bool:
@@ -347,6 +465,20 @@ class DocumentMask(IntervalMask):
         start = torch.where(d > 0, ends[(d - 1).clamp(min=0)], 0)
         end = q + 1 if self.causal else ends[d]
         return _col(torch.where(inside, start, 0)), _col(torch.where(inside, end, 0))
+
+    def cover(self, q0, q1, k0, k1):
+        """Per document meeting both ranges: its rows x its keys, FULL (bidirectional) or the causal
+        triangle (one CAUSAL square on the diagonal plus FULL rectangles where the ranges differ)."""
+        ends = self._end_list
+        first = max(bisect_right(ends, q0), bisect_right(ends, k0))
+        last = min(bisect_right(ends, q1 - 1), bisect_right(ends, k1 - 1), len(ends) - 1)
+        if last - first >= MAX_COVER_STEPS:
+            return None
+        rect, out = (q0, q1, k0, k1), []
+        for d in range(first, last + 1):
+            a, b = (ends[d - 1] if d else 0), ends[d]
+            out += _triangle_in(rect, a, b, a, b, 0) if self.causal else _full_in(rect, a, b, a, b)
+        return out
 
     def check_seq_len(self, seq_len: int) -> None:
         if self.total != seq_len:
@@ -391,6 +523,26 @@ class StreamingMask(IntervalMask):
         sink_end = torch.minimum(torch.full_like(q, self.sink * bs), q + 1)
         local_start = ((q // bs - self.window + 1) * bs).clamp(min=0)
         return torch.stack([torch.zeros_like(q), local_start], 1), torch.stack([sink_end, q + 1], 1)
+
+    def cover(self, q0, q1, k0, k1):
+        """Token form: the causal sliding window's cover plus the sink keys before the window (pairs
+        ``k < sink``, ``k <= q - window``: a shifted triangle). Block form: per query block, the sink keys
+        before its window and its window's earlier blocks FULL, its own block CAUSAL."""
+        bs, w, rect = self.block_size, self.window, (q0, q1, k0, k1)
+        if bs == 1:
+            out = SlidingWindowMask(w).cover(q0, q1, k0, k1)
+            return None if out is None else out + _triangle_in(rect, 0, q1, 0, self.sink, -w)
+        qbs = range(q0 // bs, (q1 - 1) // bs + 1)
+        if len(qbs) > MAX_COVER_STEPS:
+            return None
+        out = []
+        for qb in qbs:
+            a, b = qb * bs, (qb + 1) * bs
+            local = max(0, qb - w + 1) * bs
+            out += _full_in(rect, a, b, 0, min(self.sink * bs, local))
+            out += _full_in(rect, a, b, local, a)
+            out += _triangle_in(rect, a, b, a, b, 0)
+        return out
 
     def spec(self) -> dict:
         return {"kind": "streaming", "sink": self.sink, "window": self.window, "block_size": self.block_size}
@@ -447,6 +599,12 @@ class GlobalLocalMask(IntervalMask):
         band_end = torch.where(is_global, k1, (qb + w) * bs)
         return (torch.stack([torch.zeros_like(q), band_start], 1),
                 torch.stack([torch.full_like(q, g * bs), band_end], 1))
+
+    def cover(self, q0, q1, k0, k1):
+        qb, kb = _block_range(q0, q1, self.block_size).unsqueeze(1), _block_range(k0, k1, self.block_size)
+        g = self.global_blocks
+        ok = (qb < g) | (kb < g) | ((qb - kb).abs() < self.local_blocks)
+        return _cell_cover((q0, q1, k0, k1), self.block_size, int(qb[0]), int(kb[0]), ok.long())
 
     def spec(self) -> dict:
         return {"kind": "global_local", "block_size": self.block_size, "global_blocks": self.global_blocks,
@@ -511,6 +669,14 @@ class StridedMask(IntervalMask):
         band_end = q + 1 if self.causal else (qb + self.local) * bs
         return (torch.cat([_col(band_start), torch.where(keep, b * bs, 0)], 1),
                 torch.cat([_col(band_end), torch.where(keep, (b + 1) * bs, 0)], 1))
+
+    def cover(self, q0, q1, k0, k1):
+        qb, kb = _block_range(q0, q1, self.block_size).unsqueeze(1), _block_range(k0, k1, self.block_size)
+        dq = qb - kb
+        codes = ((dq.abs() < self.local) | (dq % self.stride == 0)).long()
+        if self.causal:
+            codes = torch.where(dq < 0, 0, torch.where(dq == 0, 2 * codes, codes))
+        return _cell_cover((q0, q1, k0, k1), self.block_size, int(qb[0]), int(kb[0]), codes)
 
     def spec(self) -> dict:
         return {"kind": "strided", "block_size": self.block_size, "stride": self.stride, "local": self.local,
@@ -604,6 +770,12 @@ class BlockTableMask(IntervalMask):
         s, e, c = sb[rows] * bs, eb[rows] * bs, cz[rows]
         e = torch.where(c, s + _col(q - qb * bs) + 1, e)
         return torch.where(inside, s, 0), torch.where(inside, e, 0)
+
+    def cover(self, q0, q1, k0, k1):
+        bs = self.block_size
+        qb0, kb0 = q0 // bs, k0 // bs
+        codes = torch.tensor(self.table, dtype=torch.long)[qb0:(q1 - 1) // bs + 1, kb0:(k1 - 1) // bs + 1]
+        return _cell_cover((q0, q1, k0, k1), bs, qb0, kb0, codes)
 
     def check_seq_len(self, seq_len: int) -> None:
         n, m = self.shape

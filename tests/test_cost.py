@@ -265,8 +265,8 @@ def test_no_overlap_means_compute_plus_communication():
 def test_estimate_rejects_mismatched_worlds_and_masks():
     with pytest.raises(ValueError, match="world=8"):
         estimate("ring", Problem(1024, 8), preset("dgx-h100", 4))
-    with pytest.raises(NotImplementedError, match="supports masks"):
-        estimate("stripe_ring", Problem(1024, 4, masks.from_mask_mod(lambda q, k: k <= q)), preset("dgx-h100", 4))
+    with pytest.raises(ValueError, match="causal-only"):
+        estimate("ringx4", Problem(1024, 4, masks.from_mask_mod(lambda q, k: k >= q)), preset("dgx-h100", 4))
 
 
 def _assert_closed_form(sched: Schedule, problem: Problem) -> None:

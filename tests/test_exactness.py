@@ -5,7 +5,10 @@ The baselines run the full matrix (world sizes 1-4 and a subgroup of a 4-rank wo
 MHA and GQA 8:2; float32 and bfloat16). Every other registered schedule (today the RingX variants,
 Ulysses, USP and ``ultra``; a newly registered one joins with no edit here) runs a slice: one float32
 GQA case per place (world sizes 1-4 and the subgroup), the masks it accepts among causal and full
-taken in turn, plus one bfloat16 MHA case at P=3. Per-family files add what is particular to each
+taken in turn, plus one bfloat16 MHA case at P=3. Every schedule that takes causal masks also runs
+the masks contained in the causal one that training uses most (packed documents, a causal sliding
+window, streaming), one float32 GQA case each, spread over P=1, P=4 and the subgroup (each place once;
+test_masks.py runs every mask kind at P=2 and 3). Per-family files add what is particular to each
 (masks, topologies, padding, defects)."""
 
 from __future__ import annotations
@@ -56,11 +59,29 @@ def _slice(name: str, seed: int) -> list[verify.Case]:
     return cases
 
 
+#: masks contained in the causal one that every causal schedule runs at CAUSAL_PLACES
+CAUSAL_MASKS = ("document", "sliding_window", "streaming")
+CAUSAL_PLACES = ((1, None), (4, None), (4, SUBGROUP))
+
+
+def _causal_masks(name: str, turn: int, seed: int) -> list[verify.Case]:
+    """Each of CAUSAL_MASKS at one of CAUSAL_PLACES, every place once (rotated by ``turn`` so that over
+    the registry every mask meets every place)."""
+    if not schedules.get(name).causal:
+        return []
+    cases = []
+    for i, mask in enumerate(CAUSAL_MASKS):
+        world, group = CAUSAL_PLACES[(i + turn) % len(CAUSAL_PLACES)]
+        cases += _first(name, world, group, mask, "float32", GQA, seed + i)
+    return cases
+
+
 def _cases() -> list[verify.Case]:
     cases = verify.matrix(BASELINES)
     for i, name in enumerate(schedules.names()):
         if name not in BASELINES:
             cases += _slice(name, seed=1000 + 10 * i)
+        cases += _causal_masks(name, turn=i, seed=3000 + 10 * i)
     return [_with_options(c) for c in cases]
 
 
@@ -70,17 +91,23 @@ CASES = _cases()
 def test_matrix_covers_every_registered_schedule():
     """verify.matrix leaves out what a schedule rejects, so a schedule could silently drop out of a
     world size: each registered one must have a case at every world size and on the subgroup, with each
-    of causal and full it accepts; the baselines the whole product."""
+    of causal and full it accepts, and every causal one each of CAUSAL_MASKS at each of CAUSAL_PLACES;
+    the baselines the whole product."""
     for name in schedules.names():
         mine = [c for c in CASES if c.schedule == name]
         assert {c.world for c in mine if c.group is None} == set(WORLDS), name
         assert any(c.group == SUBGROUP for c in mine), name
         sched = schedules.get(name)
-        assert {c.mask for c in mine} == {m for m, ok in (("causal", sched.causal), ("full", sched.bidirectional))
-                                          if ok}, name
+        basic = {m for m, ok in (("causal", sched.causal), ("full", sched.bidirectional)) if ok}
+        assert {c.mask for c in mine} == basic | (set(CAUSAL_MASKS) if sched.causal else set()), name
         assert {c.dtype for c in mine} == {"float32", "bfloat16"}, name
+        if sched.causal:
+            assert {(c.world, c.group) for c in mine if c.mask in CAUSAL_MASKS} == set(CAUSAL_PLACES), name
+    causal = [c for c in CASES if c.mask in CAUSAL_MASKS]
+    assert {(c.mask, c.world, c.group) for c in causal} == {(m, w, g) for m in CAUSAL_MASKS for w, g in CAUSAL_PLACES}
     for name in BASELINES:
-        mine = {(c.world, c.group, c.mask, c.dtype, c.heads, c.kv_heads) for c in CASES if c.schedule == name}
+        mine = {(c.world, c.group, c.mask, c.dtype, c.heads, c.kv_heads) for c in CASES
+                if c.schedule == name and c.mask not in CAUSAL_MASKS}
         assert len(mine) == 5 * 2 * 2 * 2, name
     assert all(c.options for c in CASES if schedules.get(c.schedule).planned)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import fuzz_workers
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -14,6 +15,8 @@ from hypothesis import strategies as st
 
 from cpattn import blocks, layout, masks, schedules, verify
 from cpattn.masks import BlockKind, _kind_of_dense
+from cpattn.schedules.stripe_ring import striped_blocks
+from cpattn.steps import Problem
 
 #: combinations of masks (their spec lists the masks they combine); every other kind is a simple mask
 COMPOSITES = ("and", "or")
@@ -167,10 +170,7 @@ def test_bad_mask_arguments_raise_clearly(bad, match):
 def _coverage(bl: list[blocks.Block], nq: int, nk: int) -> torch.Tensor:
     got = torch.zeros(nq, nk, dtype=torch.int32)
     for b in bl:
-        n, m = b.q.stop - b.q.start, b.kv.stop - b.kv.start
-        part = {BlockKind.FULL: torch.ones(n, m, dtype=torch.bool),
-                BlockKind.CAUSAL: torch.ones(n, m, dtype=torch.bool).tril()}.get(b.kind, b.mask)
-        got[b.q, b.kv] += part.int()
+        got[b.q, b.kv] += b.dense().int()
     return got
 
 
@@ -207,6 +207,23 @@ def test_striped_blocks_skip_padding(world):
                 want = (kp[None, :] <= qp[:, None]) & (qp[:, None] < valid) & (kp[None, :] < valid)
                 got = _coverage(bl, len(qp), len(kp))
                 assert int(got.max()) <= 1 and torch.equal(got.bool(), want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(spec=SPECS_WITH_COMBOS, world=st.integers(1, 4), cut=st.integers(0, 7), tile=st.sampled_from([5, 512]))
+def test_striped_blocks_of_any_mask_cover_exactly_the_allowed_pairs(spec, world, cut, tile):
+    """``stripe_ring``'s blocks for any mask (tiles classified on their global spans, the rest dense at
+    the tokens' positions) cover each allowed pair of every rank pair once, never a padding position."""
+    mask = masks.from_spec(spec)
+    valid = SEQ - cut
+    padded = layout.Layout("striped").padded_len(valid, world)
+    for r in range(world):
+        for j in range(world):
+            bl = striped_blocks(mask, padded, world, r, j, None if valid == padded else valid, tile=tile)
+            qp, kp = torch.arange(r, padded, world), torch.arange(j, padded, world)
+            want = mask.mask_mod(qp[:, None], kp[None, :]) & (qp[:, None] < valid) & (kp[None, :] < valid)
+            got = _coverage(bl, len(qp), len(kp))
+            assert int(got.max()) <= 1 and torch.equal(got.bool(), want), (spec, world, valid, r, j)
 
 
 def test_explicit_layouts_validate_and_roundtrip():
@@ -263,11 +280,17 @@ def _spec(kind: str, seq: int, bidirectional: bool = False) -> tuple[str, dict |
 BIDIRECTIONAL_KINDS = [k for k in KINDS if _takes_causal_flag(k)]
 
 
+#: the pipelined causal RingX variants run the masks at P = 3 only: their blocks and messages are their
+#: plain variant's, only the order differs
+PIPELINED = ("ringx2o", "ringx4o")
+
+
 def _mask_cases() -> list[verify.Case]:
     kinds = [_spec(k, 48) for k in masks.KINDS] + [_spec(k, 48, bidirectional=True) for k in BIDIRECTIONAL_KINDS]
     names = [n for n in schedules.names() if n not in ("ulysses", "usp")]  # in test_ulysses_usp.py
     cases = verify.matrix(names, worlds=(2, 3), subgroup=False, masks=tuple(kinds), dtypes=("float32",),
                           heads=((4, 2),), seed=1000)
+    cases = [c for c in cases if c.world == 3 or c.schedule not in PIPELINED]
     # causal and full on the other schedules are test_exactness.py's
     return [c for c in cases if c.schedule == "ring" or c.mask not in ("causal", "full")]
 
@@ -288,25 +311,38 @@ def test_schedule_is_exact_under_mask(worlds, case):
     assert result.passed, result.describe()
 
 
+#: every mask kind except global_local (bidirectional, no causal form) has a form contained in causal
+CAUSAL_KINDS = set(masks.KINDS) - {"causal", "full", "global_local"}
+CAUSAL_ONLY = ("ringx2", "ringx2o", "ringx3", "ringx4", "ringx4o")
+
+
 def test_mask_matrix_covers_every_claiming_schedule():
     claimed = {c.schedule for c in MASK_CASES}
-    assert {"ring", "zigzag_ring", "allgather", "ringx1", "ringx1o", "ringx3b", "ultra"} <= claimed
+    assert {"ring", "zigzag_ring", "stripe_ring", "allgather", "ringx1", "ringx1o", "ringx3b", "ultra",
+            *CAUSAL_ONLY} <= claimed
     assert {c.mask for c in MASK_CASES if c.schedule == "ring"} == set(masks.KINDS)
-    assert not any(c.schedule == "stripe_ring" for c in MASK_CASES)  # causal and full only
+    assert {c.mask for c in MASK_CASES if c.schedule == "stripe_ring"} == set(masks.KINDS) - {"causal", "full"}
     assert set(BIDIRECTIONAL_KINDS) == {"sliding_window", "document", "strided"}
+    # the causal-only variants take every mask contained in causal, and no other
+    for name in CAUSAL_ONLY:
+        mine = [c for c in MASK_CASES if c.schedule == name]
+        worlds = {3} if name in PIPELINED else {2, 3}
+        assert {(c.mask, c.world) for c in mine} == {(k, w) for k in CAUSAL_KINDS for w in worlds}, name
+        assert not any(_bidirectional(c) for c in mine), name
     # the bidirectional forms run on every schedule that accepts them, at both world sizes: the
     # bidirectional-only RingX variants (which reject the causal forms) as much as the others
-    for name in ("ring", "zigzag_ring", "allgather", "ringx1", "ringx1o", "ringx3b", "ultra"):
+    for name in ("ring", "zigzag_ring", "stripe_ring", "allgather", "ringx1", "ringx1o", "ringx3b", "ultra"):
         got = {(c.mask, c.world) for c in MASK_CASES if c.schedule == name and _bidirectional(c)}
         assert {(k, w) for k in BIDIRECTIONAL_KINDS for w in (2, 3)} <= got, name
 
 
 # ------------------------------------------------------------------ every mask kind at P = 4, one schedule per family
 #: one schedule of each family runs every mask kind at P = 4, in the form it accepts (the causal one when
-#: it can, else the bidirectional one); the causal-only RingX variants accept only the causal mask, which
-#: test_exactness.py runs at P = 4, as it runs causal and full there on the baselines (ring, allgather)
-FAMILIES = {"ring": "ring", "all-gather": "allgather", "RingX bidirectional": "ringx1o", "head-parallel": "ulysses",
-            "planned": "ultra"}
+#: it can, else the bidirectional one); test_exactness.py runs causal and full at P = 4 on the baselines
+#: (ring, allgather). The causal RingX family is ``ringx2``, whose collectives depend most on the mask (an
+#: owner whose block no other rank reaches computes alone).
+FAMILIES = {"ring": "ring", "all-gather": "allgather", "RingX bidirectional": "ringx1o", "RingX causal": "ringx2",
+            "head-parallel": "ulysses", "planned": "ultra"}
 PLAN_OPTIONS = {"plan_options": {"time_budget": 1.0, "partition_time_limit": 0.3, "schedule_time_limit": 0.3}}
 
 
@@ -344,6 +380,9 @@ def test_family_cases_cover_every_mask_kind():
             assert all(_bidirectional(c) or c.mask == "global_local" for c in FAMILY_CASES if c.schedule == name)
         elif name in ("ring", "allgather"):
             assert got == set(masks.KINDS) - {"causal", "full"}, name
+        elif name == "ringx2":  # causal-only: every kind with a form contained in causal
+            assert got == CAUSAL_KINDS | {"causal"}
+            assert not any(_bidirectional(c) for c in FAMILY_CASES if c.schedule == name)
         else:
             assert got == set(masks.KINDS), name
     assert {c.world for c in FAMILY_CASES} == {4}
@@ -386,6 +425,49 @@ def test_rows_and_ranks_with_nothing_to_attend(worlds):
                            mask_args={"table": table, "block_size": 8}, seed=77)
         result = verify.run(worlds.get(4), case)
         assert result.passed, result.describe()
+
+
+# ------------------------------------------------------------------ causal RingX and stripe_ring under masks
+#: the schedules that take every mask contained in causal on their own layouts (contiguous, zigzag,
+#: striped): a causal predicate, and documents on a length their layout pads
+CAUSAL_LAYOUT_SCHEDULES = ("ringx2", "ringx2o", "ringx3", "ringx4", "ringx4o", "stripe_ring")
+
+
+@pytest.mark.parametrize("name", CAUSAL_LAYOUT_SCHEDULES)
+def test_causal_predicate_mask(worlds, name):
+    """A ``from_mask_mod`` predicate declared causal (every third key back, block-sparse), at P = 3."""
+    case = verify.Case(name, 3, "causal", seq=48, heads=4, kv_heads=2, seed=61)
+    mod = {"kind": "dilated", "dilation": 3}
+    result = fuzz_workers.run(worlds.get(3), case, mod, timeout=120)
+    assert result.passed, result.describe()
+
+
+@pytest.mark.parametrize("name", CAUSAL_LAYOUT_SCHEDULES)
+def test_padded_documents(worlds, name):
+    """44 tokens over 3 ranks: padded to 45 (contiguous, striped) or 48 (zigzag)."""
+    case = verify.Case(name, 3, "document", seq=44, heads=4, kv_heads=2, mask_args={"lengths": [7, 1, 19, 17]},
+                       seed=62)
+    result = verify.run(worlds.get(3), case)
+    assert result.passed, result.describe()
+
+
+def test_ringx2_computes_alone_what_no_other_rank_reaches(worlds):
+    """Documents that never cross a rank boundary leave every owner's block to itself: X2 runs with no
+    communication at all; a window shorter than a rank's tokens shares only the next owner's step."""
+    sched = schedules.get("ringx2")
+    alone = Problem(48, 4, masks.document([12, 12, 12, 12]), heads=4, kv_heads=2, head_dim=8)
+    assert all(not st_.comm for ph in ("forward", "backward") for st_ in sched.steps(alone, ph))
+    window = Problem(48, 4, masks.sliding_window(5), heads=4, kv_heads=2, head_dim=8)
+    roots = {ph: [op.root for st_ in sched.steps(window, ph) for op in st_.comm if op.op == "broadcast"]
+             for ph in ("forward", "backward")}
+    assert roots == {"forward": [1, 2, 3], "backward": [0, 1, 2]}
+    half = Problem(48, 4, masks.document([24, 24]), heads=4, kv_heads=2, head_dim=8)
+    roots = [op.root for st_ in sched.steps(half, "forward") for op in st_.comm if op.op == "broadcast"]
+    assert roots == [1, 3]  # q_1 meets kv_0, q_3 meets kv_2; q_0 and q_2 stay home
+    case = verify.Case("ringx2", 4, "document", seq=48, heads=4, kv_heads=2, mask_args={"lengths": [12] * 4},
+                       seed=63)
+    result = verify.run(worlds.get(4), case)
+    assert result.passed, result.describe()
 
 
 def _slow_cases() -> list[verify.Case]:

@@ -32,7 +32,7 @@ def raise_on(rank: int) -> int:
 BAD_INPUTS = {
     "seq_not_positive": "seq_len",
     "ulysses_heads": "degrees <= 3 that divide 4",
-    "mask_not_supported": "supports masks",
+    "mask_not_supported": "causal-only",
     "layout_not_supported": "runs only on its own",
     "document_lengths": "document lengths sum to",
     "heads_not_divisible": "multiple of key/value heads",
@@ -61,7 +61,7 @@ def bad_input(problem: str, schedule: str = "ring") -> dict:
     if problem == "ulysses_heads":
         kwargs["schedule"] = "ulysses"
     if problem == "mask_not_supported":
-        kwargs.update(schedule="stripe_ring", mask=cpattn.masks.sliding_window(4))
+        kwargs.update(schedule="ringx4", mask=cpattn.masks.sliding_window(4, causal=False))
     if problem == "layout_not_supported":
         kwargs.update(schedule="stripe_ring", layout="balanced")
     if problem == "document_lengths":

@@ -209,25 +209,97 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device))
 
 
+def _take(x: torch.Tensor, span: slice | None, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows ``span`` (a view) or ``index`` (a gather) of ``x`` along ``dim``."""
+    if span is not None:
+        return x[(slice(None),) * dim + (span,)]
+    return x.index_select(dim, index)
+
+
+def _stack(x: torch.Tensor, span: slice | None, index: torch.Tensor, pieces: int) -> torch.Tensor:
+    """Rows of ``x [b, s, ...]`` (``pieces`` runs of equal length) -> ``[b * pieces, run, ...]``."""
+    g = _take(x, span, index, 1)
+    return g.reshape(g.shape[0] * pieces, g.shape[1] // pieces, *g.shape[2:])
+
+
+def _write(out_acc: torch.Tensor, lse_acc: torch.Tensor, span: slice | None, index: torch.Tensor,
+           o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge ``(o, lse)`` into the accumulator rows ``span`` / ``index`` (distinct rows). Rows nothing has
+    reached yet (lse -inf everywhere, out 0) take the block's result as is: the merge would give exactly
+    that, at the cost of a read and two weightings of every output element."""
+    acc_l = _take(lse_acc, span, index, 2)
+    fresh = bool(torch.isneginf(acc_l).all())
+    if span is not None:
+        if fresh:
+            out_acc[:, span].copy_(o)
+            lse_acc[:, :, span].copy_(lse)
+        else:
+            merge_into(out_acc[:, span], lse_acc[:, :, span], o, lse)
+        return
+    if fresh:
+        out_acc.index_copy_(1, index, o.to(out_acc.dtype))
+        lse_acc.index_copy_(2, index, lse.to(lse_acc.dtype))
+        return
+    acc_o = out_acc.index_select(1, index)
+    merge_into(acc_o, acc_l, o, lse)
+    out_acc.index_copy_(1, index, acc_o)
+    lse_acc.index_copy_(2, index, acc_l)
+
+
 def attend(rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[blocks_mod.Block],
            out_acc: torch.Tensor, lse_acc: torch.Tensor) -> None:
-    """Run the forward kernel on each block and merge it into the accumulators (in place)."""
-    for blk in blocks:
-        o, lse = kernels.forward(q[:, blk.q], k[:, blk.kv], v[:, blk.kv], blk.kind, rt.scale, blk.mask,
-                                 rt.backend)
-        merge_into(out_acc[:, blk.q], lse_acc[:, :, blk.q], o, lse)
+    """Run the forward kernel on the blocks and merge them into the accumulators (in place). Blocks of
+    one kind and shape run as one stacked call (``cpattn.blocks.batches``); their rows are disjoint, so
+    the call's output goes into the accumulator rows at once (merged, or written where nothing was)."""
+    b = q.shape[0]
+    for batch in blocks_mod.batches(blocks):
+        if not batch.stacked:
+            blk = batch.blocks[0]
+            o, lse = kernels.forward(q[:, blk.q], k[:, blk.kv], v[:, blk.kv], blk.kind, rt.scale, blk.mask,
+                                     rt.backend)
+            _write(out_acc, lse_acc, blk.q, None, o, lse)
+            continue
+        n = len(batch.blocks)
+        rs, cs = batch.row_span(), batch.col_span()
+        rows = batch.rows().to(q.device) if rs is None else None
+        cols = batch.cols().to(q.device) if cs is None else None
+        o, lse = kernels.forward_stacked(_stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
+                                         batch.kind, rt.scale, n, rt.backend)
+        o = o.reshape(b, -1, *o.shape[2:])
+        lse = lse.reshape(b, n, *lse.shape[1:]).transpose(1, 2).reshape(b, lse.shape[1], -1)
+        _write(out_acc, lse_acc, rs, rows, o, lse)
 
 
 def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, blocks: list[blocks_mod.Block],
                     dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
-    """Run the backward kernel on each block and add its gradients into the accumulators."""
-    for blk in blocks:
-        dq, dk, dv = kernels.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.kv], v[:, blk.kv], out[:, blk.q],
-                                      lse[:, :, blk.q], blk.kind, rt.scale, blk.mask, rt.backend)
-        dq_acc[:, blk.q] += dq
-        dk_acc[:, blk.kv] += dk
-        dv_acc[:, blk.kv] += dv
+    """Run the backward kernel on the blocks (stacked as in :func:`attend`) and add their gradients into
+    the accumulators; ``index_add_`` sums the key gradients of blocks that share key rows."""
+    b = q.shape[0]
+    for batch in blocks_mod.batches(blocks):
+        if not batch.stacked:
+            blk = batch.blocks[0]
+            dq, dk, dv = kernels.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.kv], v[:, blk.kv], out[:, blk.q],
+                                          lse[:, :, blk.q], blk.kind, rt.scale, blk.mask, rt.backend)
+            dq_acc[:, blk.q] += dq
+            dk_acc[:, blk.kv] += dk
+            dv_acc[:, blk.kv] += dv
+            continue
+        n = len(batch.blocks)
+        rs, cs = batch.row_span(), batch.col_span()
+        rows = batch.rows().to(q.device) if rs is None else None
+        cols = batch.cols().to(q.device) if cs is None else None
+        lse_b = _take(lse, rs, rows, 2)
+        lse_b = lse_b.reshape(b, lse.shape[1], n, -1).transpose(1, 2).reshape(b * n, lse.shape[1], -1)
+        dq, dk, dv = kernels.backward_stacked(
+            _stack(dout, rs, rows, n), _stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
+            _stack(out, rs, rows, n), lse_b, batch.kind, rt.scale, n, rt.backend)
+        for acc, grad, span, index in ((dq_acc, dq, rs, rows), (dk_acc, dk, cs, cols), (dv_acc, dv, cs, cols)):
+            grad = grad.reshape(b, -1, *grad.shape[2:])
+            if span is not None:
+                acc[:, span] += grad
+            else:
+                acc.index_add_(1, index, grad)
 
 
 class Attention(torch.autograd.Function):

@@ -11,11 +11,14 @@ X1o pipelines the same steps with two buffers: the broadcast of step i+1 is in f
 compute, and the reduces of step i are waited for at step i+1, after its compute.
 
 Which pairs attend comes from the mask classifier (``rt.blocks``): for owner i the forward block is
-q_i against kv_r, the backward block q_r against kv_i. Causal masks are rejected (``causal = False``);
-``ringx2`` is the causal form of this exchange.
+q_i against kv_r, the backward block q_r against kv_i; EMPTY blocks are skipped, but a rank with
+nothing to compute still joins the step's collectives. An owner whose block no other rank has work
+for (a document that stays on its rank) computes it alone, before the shared steps, with no
+communication (:meth:`RingX1._owners`). Causal masks are rejected (``causal = False``); ``ringx2`` is
+the causal form of this exchange.
 
-At world size 1 there is nothing to exchange and the step runs locally. Per rank, for P > 1 (what
-:meth:`RingX1.steps` declares), with Q
+At world size 1 there is nothing to exchange and the step runs locally. Per rank, for P > 1 and a
+mask that shares every owner's step (the full mask), what :meth:`RingX1.steps` declares, with Q
 the local queries (input dtype), O and R the bytes of a float32 output ``[b, s, h, d]`` and of one
 float32 per query row ``[b, h, s]``, KV the packed local kv (input dtype) and dKV the packed float32
 dk/dv: forward P broadcasts (send Q once, receive (P-1) Q), P all-reduces of R (the lse maximum) and
@@ -31,6 +34,7 @@ import torch
 
 from ..kernels import acc_dtype
 from ..merge import start_distributed_merge
+from ..pairs import PairWork, pair_work
 from ..steps import CommOp, Problem, Step, Work, distribution
 from ..topology import Topology
 from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
@@ -59,13 +63,24 @@ class RingX1(Schedule):
     #: issue the next broadcast before this step's compute and wait for this step's reduces one step later
     overlap = False
 
-    def shared(self, world: int, owner: int, phase: str) -> bool:
-        """Whether ranks other than ``owner`` take part in ``owner``'s step of ``phase`` ("forward" or
-        "backward"); a step nobody else computes for runs locally, without communication."""
-        return world > 1
+    def travels(self, phase: str) -> str:
+        """What the owner broadcasts in ``phase``: its queries ("q") or its packed kv ("kv")."""
+        return "q" if phase == "forward" else "kv"
 
-    def _owners(self, world: int, phase: str) -> list[int]:
-        return [i for i in range(world) if self.shared(world, i, phase)]
+    def _owners(self, pairs: PairWork, phase: str) -> list[int]:
+        """The owners whose step of ``phase`` is shared: some rank other than the owner has work for
+        the block it broadcasts (q_i against that rank's kv, or that rank's q against kv_i). A step
+        only its owner computes runs locally, without communication; under the causal mask on the
+        contiguous layout that is owner 0's forward and owner P-1's backward, under a document or
+        window mask every owner whose block no other rank's tokens reach."""
+        by = pairs.by_q_rank if self.travels(phase) == "q" else pairs.by_kv_rank
+        return [i for i in range(pairs.world) if sum(n for w, n in by(i) if w) > bool(pairs.pair(i, i))]
+
+    @staticmethod
+    def _run_pairs(rt: Runtime) -> PairWork:
+        """The pair work :meth:`steps` reads (:func:`~cpattn.pairs.pair_work` of the padded problem), so
+        the run shares exactly the steps the description declares."""
+        return pair_work(rt.mask, rt.layout, rt.seq_len, rt.world)
 
     @staticmethod
     def _broadcast(rt: Runtime, mine: torch.Tensor, owners: list[int], n: int):
@@ -78,7 +93,7 @@ class RingX1(Schedule):
 
     def forward(self, rt: Runtime, q, k, v):
         r = rt.rank
-        owners = self._owners(rt.world, "forward")
+        owners = self._owners(self._run_pairs(rt), "forward")
         result = new_accumulators(q)
         if r not in owners:
             attend(rt, q, k, v, rt.blocks(r, [r]), *result)
@@ -114,7 +129,7 @@ class RingX1(Schedule):
         r = rt.rank
         acc = acc_dtype(q.dtype)
         kv = torch.stack([k, v])  # one broadcast per step: [2, b, s, h_kv, d]
-        owners = self._owners(rt.world, "backward")
+        owners = self._owners(self._run_pairs(rt), "backward")
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         if r not in owners:
@@ -181,7 +196,7 @@ class RingX1(Schedule):
         right after it; ``after`` follows the compute; the last ``land`` ops run after the loop.
         ``live``: bytes alive in every step."""
         p, pairs = problem.world, self.pairs(problem)
-        owners = self._owners(p, phase)
+        owners = self._owners(pairs, phase)
         shared = set(owners)
         steps = []
         if len(shared) < p:

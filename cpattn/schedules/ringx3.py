@@ -4,8 +4,10 @@ Forward: an async all-gather of the packed kv is in flight while each rank atten
 own kv (X3: the causal diagonal of its two zigzag chunks); then, for every source i != r, it attends
 to kv_i and merges pairwise. Under the causal mask on the zigzag layout (rank r holds chunks r and
 2P-1-r) the classifier yields the balanced rule: from i < r, all local queries against the first
-half of kv_i; from i > r, the second local half (chunk 2P-1-r) against all of kv_i. X3b attends every
-chunk fully.
+half of kv_i; from i > r, the second local half (chunk 2P-1-r) against all of kv_i. X3 takes any
+mask contained in the causal one (documents, causal windows, streaming, ...): the classifier decides
+every block, EMPTY ones are skipped, and the two collectives run regardless (any rank may need any
+kv). X3b attends every chunk the mask allows, under any mask without ``is_causal``.
 
 This is the ``allgather`` schedule's algorithm (inherited from it) with the two collectives made
 hierarchical. Backward: all-gather kv again (the forward keeps only local tensors), overlapped with the local
@@ -27,7 +29,6 @@ from .allgather import AllGatherSchedule
 class RingX3(AllGatherSchedule):
     name = "ringx3"
     layout = "zigzag"
-    masks = ("causal",)
     bidirectional = False
     hierarchical = True
     summary = "all-gather kv (hierarchical with a topology), zigzag causal rule; reduce-scatter dk/dv"
@@ -39,7 +40,6 @@ class RingX3(AllGatherSchedule):
 class RingX3b(RingX3):
     name = "ringx3b"
     layout = "contiguous"
-    masks = "any"
     causal = False
     bidirectional = True
     summary = "all-gather kv (hierarchical with a topology), attend every chunk; reduce-scatter dk/dv"

@@ -7,10 +7,16 @@ of kv_i, from i = r the causal diagonal) and merges pairwise into its own accumu
 output travels. Backward is X1's: broadcast kv_i, run the block rule, reduce-sum a zeroed float32
 dk_i/dv_i onto i; dq stays local.
 
+Any mask contained in the causal one runs (documents, causal windows, streaming, causal block tables
+and predicates): the classifier gives the blocks of each (rank, source) pair on the zigzag layout,
+EMPTY ones are skipped and PARTIAL ones run the masked kernel. A source whose kv no other rank's
+queries reach computes its own block alone, without a broadcast (``RingX1._owners``); every other
+source's broadcast and reduce include all ranks, with or without work.
+
 X4o issues the broadcast of step i+1 before step i's compute (two kv buffers) and waits for the
 dk/dv reduce of step i at step i+1.
 
-At world size 1 everything is local. Per rank, for P > 1: forward P broadcasts (send KV once,
+At world size 1 everything is local. Per rank, for P > 1 under the causal mask: forward P broadcasts (send KV once,
 receive (P-1) KV); backward P broadcasts of KV and P reduces (send (P-1) dKV, receive dKV), with KV
 the packed kv in the input dtype and dKV the packed float32 dk/dv.
 """
@@ -28,7 +34,6 @@ from .ringx1 import RingX1
 class RingX4(RingX1):
     name = "ringx4"
     layout = "zigzag"
-    masks = ("causal",)
     causal = True
     bidirectional = False
     summary = "broadcast kv_i, zigzag causal rule, pairwise merge; backward reduce dk/dv onto i"
@@ -37,7 +42,7 @@ class RingX4(RingX1):
         r = rt.rank
         out, lse = new_accumulators(q)
         kv = torch.stack([k, v])
-        owners = self._owners(rt.world, "forward")
+        owners = self._owners(self._run_pairs(rt), "forward")
         if r not in owners:
             attend(rt, q, k, v, rt.blocks(r, [r]), out, lse)
         incoming = self._broadcast(rt, kv, owners, 0)
@@ -50,6 +55,9 @@ class RingX4(RingX1):
             if not self.overlap:
                 incoming = self._broadcast(rt, kv, owners, n + 1)
         return out.to(q.dtype), lse
+
+    def travels(self, phase: str) -> str:
+        return "kv"
 
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """Forward, per source i: broadcast the packed kv_i, every rank r computes pair(r, i) (the

@@ -2,19 +2,137 @@
 
 Under a causal mask, queries of rank r attend the keys of rank j <= r as a causal block and those of
 rank j > r as a causal block shifted by one (local query i sees local keys < i), so every step is
-balanced. ``cpattn.blocks.striped`` states that rule. Other masks are rejected (NotImplementedError):
-on strided positions every block of a window or document mask would be PARTIAL, i.e. a dense local x
-local mask per step; use ``ring``, ``zigzag_ring``, ``allgather``, ``ulysses`` or ``usp`` for them.
+balanced. ``cpattn.blocks.striped`` states that rule for the causal and full masks.
+
+Every other mask runs too (:func:`striped_blocks`). A rank's tokens are not contiguous in global
+positions, so its blocks are found by tiling the local (query, key) square: local rows ``[a, b)`` of
+any rank lie inside the global span ``[a P, b P)``, so the mask's kind on the spans of a tile bounds
+the tile. EMPTY tiles are skipped, FULL ones run the full kernel; a CAUSAL span (the mask equals the
+causal one there, e.g. inside one long document) gives the striped causal rule on the tile; PARTIAL
+tiles are halved down to ``PARTIAL_TILE`` local rows and then run the masked kernel on the tile's
+dense mask, evaluated at the tokens' own positions. A window or many short documents therefore cost a
+dense mask per tile near the diagonal: the striped layout balances causal work, not local masks.
 """
 
 from __future__ import annotations
 
-from .ring import RingSchedule
+from functools import lru_cache
+
+import torch
+
+from .. import blocks
+from ..blocks import PARTIAL_TILE, Block
+from ..layout import Layout
+from ..masks import BlockKind, CausalMask, FullMask, Mask
+from ..pairs import PairWork
+from ..steps import Kernel, Problem, Work, work
+from .base import Runtime
+from .ring import RingSchedule, ring_backward, ring_forward
+
+STRIPED = Layout("striped")
+
+
+def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: int, valid_len: int | None = None,
+                   tile: int = PARTIAL_TILE) -> list[Block]:
+    """Blocks of ``q_rank``'s queries against ``kv_rank``'s keys on the striped layout, where local row i
+    of rank r is global position ``i P + r``. ``seq_len``: the (padded) length the layout splits;
+    positions ``>= valid_len`` are padding and never covered."""
+    if isinstance(mask, CausalMask | FullMask):
+        return blocks.for_ranks(mask, STRIPED, seq_len, world, q_rank, [kv_rank], valid_len)
+    p = world
+    valid = seq_len if valid_len is None else valid_len
+    out: list[Block] = []
+
+    def dense(a: int, b: int, c: int, d: int) -> None:
+        qp, kp = torch.arange(a, b) * p + q_rank, torch.arange(c, d) * p + kv_rank
+        allowed = torch.as_tensor(mask.mask_mod(qp[:, None], kp[None, :]), dtype=torch.bool).expand(b - a, d - c)
+        if bool(allowed.all()):
+            out.append(Block(slice(a, b), slice(c, d), BlockKind.FULL))
+        elif bool(allowed.any()):
+            out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, allowed.contiguous()))
+
+    def split(a: int, b: int, c: int, d: int) -> None:
+        """Local rows [a, b) x local columns [c, d), inside the real tokens of both ranks."""
+        kind = mask.classify(a * p, min(b * p, valid), c * p, min(d * p, valid))
+        if kind == BlockKind.EMPTY:
+            return
+        if kind == BlockKind.FULL:
+            out.append(Block(slice(a, b), slice(c, d), BlockKind.FULL))
+            return
+        if kind == BlockKind.CAUSAL and b - a == d - c:
+            # global key k - c P <= query q - a P: local key <= local query when kv_rank <= q_rank,
+            # strictly below it otherwise (the striped causal rule, relative to the tile)
+            if kv_rank <= q_rank:
+                out.append(Block(slice(a, b), slice(c, d), BlockKind.CAUSAL))
+            elif b - a > 1:
+                out.append(Block(slice(a + 1, b), slice(c, d - 1), BlockKind.CAUSAL))
+            return
+        if max(b - a, d - c) <= tile:
+            dense(a, b, c, d)
+            return
+        rows = [(a, b)] if b - a <= tile else [(a, (a + b) // 2), ((a + b) // 2, b)]
+        cols = [(c, d)] if d - c <= tile else [(c, (c + d) // 2), ((c + d) // 2, d)]
+        for r0, r1 in rows:
+            for c0, c1 in cols:
+                split(r0, r1, c0, c1)
+
+    q_real, kv_real = len(range(q_rank, valid, p)), len(range(kv_rank, valid, p))
+    if q_real and kv_real:
+        split(0, q_real, 0, kv_real)
+    return sorted(out, key=lambda blk: (blk.q.start, blk.kv.start))
+
+
+class StripedPairs(PairWork):
+    """The kernel calls of every (query rank, key rank) pair on the striped layout, from
+    :func:`striped_blocks` (classified once per pair)."""
+
+    def __init__(self, mask: Mask, seq_len: int, world: int) -> None:
+        super().__init__(world)
+        self.mask, self.seq_len = mask, seq_len
+        self._cache: dict[tuple[int, int], Work] = {}
+
+    def pair(self, q_rank: int, kv_rank: int) -> Work:
+        key = (q_rank, kv_rank)
+        if key not in self._cache:
+            self._cache[key] = work(
+                (Kernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area), 1)
+                for b in striped_blocks(self.mask, self.seq_len, self.world, q_rank, kv_rank))
+        return self._cache[key]
+
+
+_striped_pairs = lru_cache(maxsize=64)(StripedPairs)
 
 
 class StripeRingSchedule(RingSchedule):
     name = "stripe_ring"
     layout = "striped"
-    masks = ("causal", "full")  # blocks.striped knows these two; other masks: ring, zigzag_ring, ...
     custom_layout = False
     summary = "p2p ring on the striped layout: balanced causal work"
+
+    @staticmethod
+    def _blocks(rt: Runtime, q_rank: int, kv_rank: int) -> list[Block]:
+        key = ("striped", q_rank, kv_rank)
+        return rt.block_cache.get(key, lambda: striped_blocks(rt.mask, rt.seq_len, rt.world, q_rank, kv_rank,
+                                                              rt.valid_len))
+
+    def forward(self, rt: Runtime, q, k, v):
+        p, r = rt.world, rt.rank
+        out_acc, lse_acc = ring_forward(rt, q, torch.stack([k, v]), list(range(p)),
+                                        lambda t: self._blocks(rt, r, (r - t) % p))
+        return out_acc.to(q.dtype), lse_acc
+
+    def backward(self, rt: Runtime, dout, q, k, v, out, lse):
+        p, r = rt.world, rt.rank
+        dq, dkv = ring_backward(rt, dout, q, torch.stack([k, v]), out, lse, list(range(p)),
+                                lambda t: self._blocks(rt, r, (r - t) % p))
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+    def pairs(self, problem: Problem) -> PairWork:
+        """The closed form for the causal and full masks, else :class:`StripedPairs` (cached per mask
+        when it is hashable)."""
+        if isinstance(problem.mask, CausalMask | FullMask):
+            return super().pairs(problem)
+        try:
+            return _striped_pairs(problem.mask, problem.seq_len, problem.world)
+        except TypeError:  # an unhashable mask
+            return StripedPairs(problem.mask, problem.seq_len, problem.world)
