@@ -1,7 +1,8 @@
 """Recording mode: what this process issues, waits for and computes, in order.
 
-Inside ``with cpattn.trace.recording() as events:`` every communicator call and every local kernel
-call appends one event (a dict) to ``events``; outside it nothing is recorded and the cost is one
+Inside ``with cpattn.trace.recording() as events:`` every communicator call and every block a local
+kernel computes appends one event (a dict) to ``events`` (a stacked call of several equal-shaped
+blocks, ``kernels.forward_stacked``, records one event per block, as ``steps()`` counts them); outside it nothing is recorded and the cost is one
 ``None`` check. Tests compare a recording with the schedule's ``steps()`` (what it declares to send
 and to overlap; see ``cpattn.verify.check_steps``).
 
@@ -9,7 +10,7 @@ and to overlap; see ``cpattn.verify.check_steps``).
   broadcast, ...), ``sent``, ``recv`` (payload bytes, as ``Communicator.stats()`` counts them);
 - ``wait``: ``call``, whose handle was waited on (synchronous calls: right after their issue);
 - ``compute``: ``phase`` ("forward"/"backward"), ``kind`` ("full"/"causal"/"partial"), ``q``, ``kv``
-  (rows of the kernel call).
+  (rows of the block).
 
 A batched point-to-point call issues one event per message under one ``call`` id. A hierarchical
 collective is one call (its second level runs inside ``wait``), as it is one op in the accounting.
