@@ -89,6 +89,9 @@ class Piece(NamedTuple):
 #: row tile of a sliding window's cover (tokens): past it, a tile's band is a FULL rectangle between two
 #: triangles, which the fused kernels run at full-block efficiency
 WINDOW_TILE = 256
+#: narrower windows are not covered (halved and densified instead): on the CPU flash kernel, low-precision
+#: inputs over pieces this short give a log-sum-exp outside the exactness tolerance (testing.md)
+MIN_WINDOW_COVER = 64
 #: a structured cover gives up (the caller halves the rectangle instead) past this many row tiles or cells
 MAX_COVER_STEPS = 1 << 15
 
@@ -396,6 +399,8 @@ class SlidingWindowMask(IntervalMask):
         and bidirectionally the near edge (keys ``[a + w, a + t + w - 1)``) a CAUSAL square shifted by
         ``w - 1``: every pair once, nothing dense."""
         w, rect = self.window, (q0, q1, k0, k1)
+        if w < MIN_WINDOW_COVER:  # pieces this small lose precision on the fast kernel: halve instead
+            return None
         t = min(w, WINDOW_TILE)
         tiles = range(q0 // t, (q1 - 1) // t + 1)
         if len(tiles) > MAX_COVER_STEPS:

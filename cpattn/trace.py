@@ -2,9 +2,9 @@
 
 Inside ``with cpattn.trace.recording() as events:`` every communicator call and every block a local
 kernel computes appends one event (a dict) to ``events`` (a stacked call of several equal-shaped
-blocks, ``kernels.forward_stacked``, records one event per block, as ``steps()`` counts them); outside it nothing is recorded and the cost is one
-``None`` check. Tests compare a recording with the schedule's ``steps()`` (what it declares to send
-and to overlap; see ``cpattn.verify.check_steps``).
+blocks, ``kernels.forward_stacked``, records one event per block, as ``steps()`` counts them);
+outside it nothing is recorded and the cost is one ``None`` check. Tests compare a recording with
+the schedule's ``steps()`` (what it declares to send and to overlap; see ``cpattn.verify.check_steps``).
 
 - ``issue``: ``call`` (one id per communicator call), ``op`` (the accounting kind: send, recv,
   broadcast, ...), ``sent``, ``recv`` (payload bytes, as ``Communicator.stats()`` counts them);
