@@ -127,12 +127,20 @@ def kernel_fits(path: str, dtype: torch.dtype, head_dim: int) -> bool:
     raise ValueError(f"kernel path {path!r} is unknown; known: {', '.join(PATHS)}")
 
 
+#: on the CPU, bfloat16 / float16 blocks with fewer keys run on ``math``: torch's CPU flash kernel loses
+#: log-sum-exp precision on short blocks in low precision (relative error about 6e-6 at 16 keys, 2e-6 at
+#: 64, 1.4e-6 at 128, against 4e-8 on ``math``), more than the whole sequence's own error, which is the
+#: exactness yardstick (testing.md)
+CPU_FLASH_MIN_KEYS_LOW_PRECISION = 128
+
+
 def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: BlockKind,
-                  available: frozenset[str], backend: str = "auto") -> str:
+                  available: frozenset[str], backend: str = "auto", kv_len: int | None = None) -> str:
     """The kernel path (a :data:`PATHS` name) for one block: a pure function of its arguments.
 
     ``available`` is the set of paths this process can run (:func:`available_kernels`). ``math``
-    always gets ``math``. CPU: ``flash_cpu`` for FULL and CAUSAL blocks, ``math`` for PARTIAL ones.
+    always gets ``math``. CPU: ``flash_cpu`` for FULL and CAUSAL blocks, ``math`` for PARTIAL ones and
+    for bfloat16 / float16 blocks of fewer than :data:`CPU_FLASH_MIN_KEYS_LOW_PRECISION` keys (``kv_len``).
     CUDA: PARTIAL blocks take ``flex_cuda`` when it fits; FULL and CAUSAL blocks take ``flash_attn``
     when asked for and it fits, else the first of :data:`CUDA_ORDER` that is available and fits; with
     none, ``auto`` and ``flash_attn`` fall back to ``math`` while ``aten`` raises ValueError (it promised
@@ -143,7 +151,9 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
     if backend == "math":
         return "math"
     if device_type == "cpu":
-        return "flash_cpu" if kind != BlockKind.PARTIAL and "flash_cpu" in available else "math"
+        short = kv_len is not None and kv_len < CPU_FLASH_MIN_KEYS_LOW_PRECISION and \
+            dtype in (torch.bfloat16, torch.float16)
+        return "flash_cpu" if kind != BlockKind.PARTIAL and not short and "flash_cpu" in available else "math"
     if device_type != "cuda":
         if backend == "aten":
             raise ValueError(f"backend='aten' does not run on device {device_type!r}; use 'math'")
@@ -366,9 +376,10 @@ def backward_with(path: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     return _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand)
 
 
-def kernel_for(q: torch.Tensor, kind: BlockKind, backend: str = "auto") -> str:
-    """The kernel path :func:`forward` and :func:`backward` run for queries like ``q`` and ``kind``."""
-    return choose_kernel(q.device.type, q.dtype, q.shape[3], kind, available_kernels(q.device), backend)
+def kernel_for(q: torch.Tensor, kind: BlockKind, backend: str = "auto", kv_len: int | None = None) -> str:
+    """The kernel path :func:`forward` and :func:`backward` run for queries like ``q``, ``kind`` and
+    ``kv_len`` keys."""
+    return choose_kernel(q.device.type, q.dtype, q.shape[3], kind, available_kernels(q.device), backend, kv_len)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float,
@@ -377,7 +388,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, 
     accumulation dtype."""
     _check_block(q, k, kind, mask)
     trace.compute("forward", kind.value, q.shape[1], k.shape[1])
-    return _run_forward(kernel_for(q, kind, backend), q, k, v, kind, scale, mask, None)
+    return _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, mask, None)
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -387,7 +398,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     Returns ``dq [b, s_q, h, d]``, ``dk, dv [b, s_kv, h_kv, d]`` in the accumulation dtype."""
     _check_block(q, k, kind, mask)
     trace.compute("backward", kind.value, q.shape[1], k.shape[1])
-    return _run_backward(kernel_for(q, kind, backend), dout, q, k, v, out, lse, kind, scale, mask, None)
+    return _run_backward(kernel_for(q, kind, backend, k.shape[1]), dout, q, k, v, out, lse, kind, scale, mask, None)
 
 
 def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float, pieces: int,
@@ -400,7 +411,7 @@ def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: Blo
     _check_block(q, k, kind, None)
     for _ in range(pieces):
         trace.compute("forward", kind.value, q.shape[1], k.shape[1])
-    return _run_forward(kernel_for(q, kind, backend), q, k, v, kind, scale, None, None)
+    return _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, None, None)
 
 
 def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -413,4 +424,5 @@ def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     _check_block(q, k, kind, None)
     for _ in range(pieces):
         trace.compute("backward", kind.value, q.shape[1], k.shape[1])
-    return _run_backward(kernel_for(q, kind, backend), dout, q, k, v, out, lse, kind, scale, None, None)
+    return _run_backward(kernel_for(q, kind, backend, k.shape[1]), dout, q, k, v, out, lse, kind, scale, None,
+                         None)

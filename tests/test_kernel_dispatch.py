@@ -191,9 +191,11 @@ def test_expanded_kv_around_the_cpu_kernel_matches_math(dtype, tol, kind, hkv):
 
 
 def test_cpu_dispatch_is_the_cpu_flash_op():
-    """CPU behaviour is unchanged: FULL and CAUSAL blocks run the CPU flash op, bit for bit."""
-    q, k, v, _ = _inputs(BF16, hkv=2)
-    assert kernels.kernel_for(q, CAUSAL) == "flash_cpu" and kernels.kernel_for(q, PARTIAL) == "math"
+    """CPU: FULL and CAUSAL blocks run the CPU flash op, bit for bit (bfloat16 blocks of at least
+    CPU_FLASH_MIN_KEYS_LOW_PRECISION keys)."""
+    n = kernels.CPU_FLASH_MIN_KEYS_LOW_PRECISION
+    q, k, v, _ = _inputs(BF16, sq=n, sk=n, hkv=2)
+    assert kernels.kernel_for(q, CAUSAL, kv_len=n) == "flash_cpu" and kernels.kernel_for(q, PARTIAL) == "math"
     out, lse = kernels.forward(q, k, v, CAUSAL, 0.25)
     want_o, want_l = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=0.25)
@@ -321,3 +323,19 @@ def test_gpu_check_help_and_clear_exit_without_cuda():
     res = subprocess.run([sys.executable, str(script), "--out", "/dev/null"], capture_output=True, text=True,
                          cwd=ROOT)
     assert res.returncode == 2 and "CUDA" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_short_low_precision_cpu_blocks_run_on_math(dtype):
+    """The CPU flash op's log-sum-exp loses precision on short low-precision blocks; they run on math
+    (float32 inside), longer ones and float32 ones on flash."""
+    n = kernels.CPU_FLASH_MIN_KEYS_LOW_PRECISION
+    avail = kernels.available_kernels(torch.device("cpu"))
+    assert kernels.choose_kernel("cpu", dtype, 16, FULL, avail, kv_len=n - 1) == "math"
+    assert kernels.choose_kernel("cpu", dtype, 16, CAUSAL, avail, kv_len=n) == "flash_cpu"
+    assert kernels.choose_kernel("cpu", F32, 16, FULL, avail, kv_len=16) == "flash_cpu"
+    q, k, v, _ = _inputs(dtype, sq=16, sk=16)
+    _, lse = kernels.forward(q, k, v, FULL, 0.25)
+    s64 = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(4, 2)) * 0.25
+    ref = torch.logsumexp(s64, -1)
+    assert ((lse.double() - ref).norm() / ref.norm()).item() < 1e-6
