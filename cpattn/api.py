@@ -390,11 +390,12 @@ class ContextParallel:
         """Raise ``MemoryError`` when the call's peak (:meth:`peak_memory`, less q, k, v already held)
         exceeds :meth:`available_memory`, naming both figures and the leanest schedule that fits."""
         held = sum(t.numel() * t.element_size() for t in (q, k, v))
-        need = self.peak_memory(q, k) - held
+        peak = self.peak_memory(q, k)
+        need = peak - held
         have, source = self.available_memory(q.device)
         if need <= have:
             return
-        lean = self._leanest(q, k)
+        lean = self._leanest(q, k, peak)
         gib = 2 ** 30
         if lean is None:
             advice = "no other schedule for this mask is estimated to need less"
@@ -407,9 +408,9 @@ class ContextParallel:
                           f"(model peak less the q, k, v already held) but {have / gib:.2f} GiB is available "
                           f"({source}); {advice}. Reduce the batch or sequence, or choose a leaner schedule")
 
-    def _leanest(self, q: torch.Tensor, k: torch.Tensor) -> tuple[str, int] | None:
+    def _leanest(self, q: torch.Tensor, k: torch.Tensor, mine: int) -> tuple[str, int] | None:
         """The registered schedule (not planned) with the smallest peak for this call's problem, when
-        it is smaller than this schedule's."""
+        it is smaller than ``mine``, this schedule's peak."""
         problem, best = self.problem(q, k), None
         for name in schedules.names():
             sched = schedules.get(name)
@@ -422,7 +423,6 @@ class ContextParallel:
                 continue
             if best is None or peak < best[1]:
                 best = (name, peak)
-        mine = self.peak_memory(q, k)
         return best if best is not None and best[1] < mine else None
 
     # ------------------------------------------------------------------ plans (planned schedules)
