@@ -31,14 +31,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def configs(args) -> list:
     """Every run the arguments ask for, checked before any process starts."""
-    from .. import train
+    from .. import schedules, train
 
     cps = args.cp or ([args.nproc // max(1, args.dp)] if args.nproc else [1])
     if args.nproc is not None and (len(cps) > 1 or args.dp * cps[0] != args.nproc):
         raise ValueError(f"--nproc {args.nproc} must equal --dp {args.dp} x --cp {','.join(map(str, cps))}")
     names = [s for s in (args.schedule or "").split(",") if s.strip()] or [None]
-    from .. import schedules
-
     for name in names:
         if name is not None:
             schedules.get(name)  # an unknown name fails here
