@@ -147,6 +147,39 @@ GENERIC_DEVICE = Device("generic", forward_flops=100e12, backward_flops=75e12, m
                         memory=40 * 2**30)
 
 
+#: collectives that have a ring and a tree algorithm (the others are rings, pairwise exchanges or p2p)
+ALGORITHM_OPS = ("all_reduce", "broadcast", "reduce")
+ALGORITHMS = ("auto", "ring", "tree")
+_OP_ALIASES = {"allreduce": "all_reduce", "all_reduce": "all_reduce", "broadcast": "broadcast", "reduce": "reduce"}
+
+
+def parse_algorithm(spec: str) -> dict[str, str]:
+    """``{op: algorithm}`` for every op of :data:`ALGORITHM_OPS` from an ``NCCL_ALGO``-like ``spec``:
+    one of :data:`ALGORITHMS` for all of them (case-insensitive), or ``"op:algo;op:algo"`` (ops as
+    ``all_reduce``/``allreduce``, ``broadcast``, ``reduce``; unnamed ops stay ``auto``). Raises
+    ValueError naming what is wrong."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"collective algorithm must be a non-empty string such as 'auto', 'ring', 'tree' or "
+                         f"'all_reduce:tree;broadcast:ring', got {spec!r}")
+    text = spec.strip().lower()
+    if ":" not in text:
+        if text not in ALGORITHMS:
+            raise ValueError(f"collective algorithm {spec!r} is unknown; accepted: {', '.join(ALGORITHMS)}, or per op "
+                             "'all_reduce:tree;broadcast:ring'")
+        return dict.fromkeys(ALGORITHM_OPS, text)
+    out = dict.fromkeys(ALGORITHM_OPS, "auto")
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        op, _, algo = (x.strip() for x in part.partition(":"))
+        if op not in _OP_ALIASES:
+            raise ValueError(f"collective algorithm {spec!r}: op {op!r} has no algorithm choice; accepted ops: "
+                             f"{', '.join(ALGORITHM_OPS)}")
+        if algo not in ALGORITHMS:
+            raise ValueError(f"collective algorithm {spec!r}: {algo!r} for {op} is unknown; accepted: "
+                             f"{', '.join(ALGORITHMS)}")
+        out[_OP_ALIASES[op]] = algo
+    return out
+
+
 @dataclass(frozen=True)
 class Topology:
     """``nodes`` x ``devices_per_node`` ranks; rank r lives on node r // devices_per_node.
@@ -156,7 +189,10 @@ class Topology:
     ``overlap``: fraction of the communication a schedule overlaps with compute that actually hides
     (1 on GPUs with separate streams; lower where compute and communication share cores).
     ``op_links``: measured per-op links (``(op, Link)`` pairs, from calibration) that replace ``intra``
-    for that op inside a node. ``name``: the preset it came from.
+    for that op inside a node. ``algorithm``: the collective algorithms (:func:`parse_algorithm`:
+    ``"auto"``, the faster of ring and tree per op and size as NCCL/RCCL's tuners pick; ``"ring"``;
+    ``"tree"``; or per op, ``"all_reduce:tree;broadcast:ring"``), like ``NCCL_ALGO``. ``name``: the
+    preset it came from.
     """
 
     nodes: int
@@ -167,6 +203,7 @@ class Topology:
     device: Device = GENERIC_DEVICE
     overlap: float = 1.0
     op_links: tuple[tuple[str, Link], ...] = ()
+    algorithm: str = "auto"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -176,6 +213,11 @@ class Topology:
                 raise ValueError(f"Topology.{field_name} must be a positive int, got {value!r}")
         if not (0.0 <= self.overlap <= 1.0):
             raise ValueError(f"Topology.overlap must be in [0, 1], got {self.overlap!r}")
+        parse_algorithm(self.algorithm)
+
+    def algorithm_for(self, op: str) -> str:
+        """``"ring"``, ``"tree"`` or ``"auto"`` for collective ``op`` (all_reduce, broadcast, reduce)."""
+        return parse_algorithm(self.algorithm).get(op, "auto")
 
     @property
     def world(self) -> int:
@@ -196,4 +238,5 @@ class Topology:
         return dict(self.op_links).get(op, self.intra)
 
 
-__all__ = ["GENERIC_DEVICE", "GENERIC_INTER", "GENERIC_INTRA", "KINDS", "Device", "Link", "RatePoint", "Topology"]
+__all__ = ["ALGORITHMS", "ALGORITHM_OPS", "GENERIC_DEVICE", "GENERIC_INTER", "GENERIC_INTRA", "KINDS", "Device", "Link",
+           "RatePoint", "Topology", "parse_algorithm"]

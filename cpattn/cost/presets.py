@@ -10,6 +10,7 @@ are stated as assumptions next to the figure they support.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from ..topology import Device, Link, Topology
 from .profile import Profile, load_default
@@ -110,17 +111,21 @@ def local(world: int, profile: Profile | None = None, threads_per_rank: int | No
                     op_links=tuple(sorted(profile.links.items())), name=f"local{where}")
 
 
-def preset(name: str, world: int, profile: Profile | None = None) -> Topology:
+def preset(name: str, world: int, profile: Profile | None = None, algorithm: str | None = None) -> Topology:
     """The topology of ``world`` devices of preset ``name`` (see :data:`NAMES`). ``local`` uses
-    ``profile``, else the profile at the default location, else conservative defaults."""
+    ``profile``, else the profile at the default location, else conservative defaults.
+    ``algorithm``: the collective algorithms (``Topology.algorithm``; default ``"auto"``, and for
+    ``local`` the algorithms its calibration fitted)."""
     key = name.lower().replace("_", "-")
     if key == "local":
-        return local(world, profile if profile is not None else load_default(), cores=os.cpu_count() or 1)
+        topo = local(world, profile if profile is not None else load_default(), cores=os.cpu_count() or 1)
+        return topo if algorithm is None else replace(topo, algorithm=algorithm)
     if key not in PRESETS:
         raise ValueError(f"topology preset {name!r} is unknown; accepted: {', '.join(NAMES)}")
     spec = PRESETS[key]
     nodes, per_node = _nodes(key, world, spec["devices_per_node"])
-    return Topology(nodes, per_node, **{k: v for k, v in spec.items() if k != "devices_per_node"}, name=key)
+    return Topology(nodes, per_node, **{k: v for k, v in spec.items() if k != "devices_per_node"},
+                    algorithm=algorithm or "auto", name=key)
 
 
 __all__ = ["DGX_A100", "DGX_H100", "FRONTIER", "LOCAL_DEFAULT_DEVICE", "MATMUL_PEAK", "NAMES", "PRESETS", "local",
