@@ -137,6 +137,7 @@ class ContextParallel:
             raise error
         if self.schedule.hierarchical:  # rail and node groups now (collectively), never at run time
             self.comm.setup_levels(self.topology)
+        self.comm.set_topology(self.topology)  # the collective algorithms its wire bytes count with
         self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
                                 topology=self.topology, valid_len=seq_len)
         self._plans = BoundedCache(PLANS_KEPT)
@@ -478,9 +479,10 @@ class ContextParallel:
     # ------------------------------------------------------------------ accounting
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Bytes sent/received and calls per op kind on this rank, since creation or the last reset
-        (attention traffic only). When hierarchical collectives ran, ``"levels"`` gives the totals each
-        level carried (``inter_node``: the rails across nodes; ``intra_node``), which add up to what
-        their collectives count."""
+        (attention traffic only); ``"total"`` also has ``wire_sent``, the bytes sent on the wire under
+        the cost model's collective algorithms (``Communicator.stats``). When hierarchical collectives
+        ran, ``"levels"`` gives the totals each level carried (``inter_node``: the rails across nodes;
+        ``intra_node``), which add up to what their collectives count."""
         stats = self.comm.stats()
         levels = self.comm.level_stats()
         if levels:

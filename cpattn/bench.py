@@ -60,8 +60,9 @@ class BenchRow:
     tflops_per_rank: float = float("nan")  # forward + backward
     speedup: float = float("nan")  # T(one process) / T(schedule), forward + backward
     fwd_speedup: float = float("nan")
-    bytes_sent: int = 0  # busiest rank, one forward + backward
+    bytes_sent: int = 0  # busiest rank, one forward + backward (payload, cpattn.comm accounting)
     bytes_recv: int = 0
+    wire_sent: int = 0  # busiest rank, one forward + backward: sent on the wire, forwarding included
     peak_mem_bytes: int = 0  # busiest rank, peak live tensor bytes during forward + backward
     mask_efficiency: float = float("nan")  # masked configurations: see mask_efficiency(), fwd + bwd
     fwd_mask_efficiency: float = float("nan")
@@ -129,7 +130,8 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False) -> dict:
             if it >= c.warmup:
                 times[phase].append(time.perf_counter() - t0)
     return {"rank": cp.rank, "positions": cp.positions().numpy(), "check": check, "times": times,
-            "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"], "peak": mem.peak_bytes,
+            "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"],
+            "wire_sent": traffic["wire_sent"], "peak": mem.peak_bytes,
             "work": None if work is None else {"max": work.max, "mean": work.mean, "imbalance": work.imbalance}}
 
 
@@ -324,6 +326,7 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
             row.speedup, row.fwd_speedup = base_fb / row.fwd_bwd_s, base_f / row.fwd_s
             row.bytes_sent = max(r["bytes_sent"] for r in res)
             row.bytes_recv = max(r["bytes_recv"] for r in res)
+            row.wire_sent = max(r["wire_sent"] for r in res)
             row.peak_mem_bytes = max(r["peak"] for r in res)
             row.extra["work"] = res[0]["work"]
             if causal is not None:
@@ -423,6 +426,8 @@ def render(result: dict):
                "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd; vs X = T(X) / T(schedule), "
                "forward+backward; layout work max/mean = allowed pairs of the busiest rank's queries over the mean")
     caption += "; peak MB/rank = most live tensor bytes during one forward+backward (cpattn.memory)"
+    caption += ("; sent/recv MB/rank = payload (cpattn.comm accounting); wire MB/rank = bytes the busiest rank "
+                "sends on the wire, forwarding for others included, under the cost model's collective algorithms")
     masked = "causal_fwd_bwd_s" in base
     if masked:
         ratio = masks.allowed_pairs(masks.resolve(cfg["mask"]), cfg["seq"]) / (cfg["seq"] * (cfg["seq"] + 1) / 2)
@@ -438,7 +443,7 @@ def render(result: dict):
     t = Table(title=title, caption=caption)
     cols = ["schedule", "fwd ms", *(["flex fwd ms"] if flex is not None else []), "fwd+bwd ms", "TFLOP/s/rank",
             "vs 1 proc", *(["mask eff"] if masked else []), *[f"vs {n}" for n in refs],
-            "sent MB/rank", "recv MB/rank", "peak MB/rank", "layout work max/mean", "max rel err"]
+            "sent MB/rank", "wire MB/rank", "recv MB/rank", "peak MB/rank", "layout work max/mean", "max rel err"]
     if predicted:
         cols += ["pred fwd ms", "pred fwd+bwd ms", "pred err"]
     for col in cols:
@@ -453,7 +458,8 @@ def render(result: dict):
                  f"{r['fwd_bwd_s'] * 1e3:.1f}", f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x",
                  *([f"{r['mask_efficiency']:.2f}"] if masked else []),
                  *[f"{ok[n]['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}x" for n in refs],
-                 f"{r['bytes_sent'] / 1e6:.1f}", f"{r['bytes_recv'] / 1e6:.1f}", f"{r['peak_mem_bytes'] / 1e6:.1f}",
+                 f"{r['bytes_sent'] / 1e6:.1f}", f"{r['wire_sent'] / 1e6:.1f}", f"{r['bytes_recv'] / 1e6:.1f}",
+                 f"{r['peak_mem_bytes'] / 1e6:.1f}",
                  f"{work['imbalance']:.2f}" if work else "-", f"{r['error']:.1e}"]
         if predicted:
             if np.isfinite(r["pred_error"]):

@@ -28,6 +28,7 @@ import torch
 from . import kernels
 from .comm import Communicator
 from .cost.collectives import op_time
+from .cost.presets import LOCAL_ALGORITHM
 from .cost.profile import Profile
 from .launcher import LocalWorld, RankError
 from .masks import BlockKind
@@ -179,10 +180,11 @@ def rank_overlap(settings: dict, n: int, nbytes: int) -> dict[str, float]:
 
 def fit_link(op: str, ranks: int, points: list[tuple[int, float]]) -> Link:
     """Fit ``seconds = a * alpha + x / bandwidth`` to ``(bytes, seconds)`` points, where a and x are
-    what :func:`~cpattn.cost.collectives.op_time` charges ``op`` on ``ranks`` ranks of one node
+    what :func:`~cpattn.cost.collectives.op_time` charges ``op`` on ``ranks`` ranks of one node under
+    the algorithms the ``local`` topology prices with (:data:`~cpattn.cost.presets.LOCAL_ALGORITHM`)
     (least squares; alpha >= 0)."""
-    unit_latency = Topology(1, ranks, intra=Link(1.0, 1e300))
-    unit_bytes = Topology(1, ranks, intra=Link(0.0, 1.0))
+    unit_latency = Topology(1, ranks, intra=Link(1.0, 1e300), algorithm=LOCAL_ALGORITHM)
+    unit_bytes = Topology(1, ranks, intra=Link(0.0, 1.0), algorithm=LOCAL_ALGORITHM)
     a = np.array([op_time(CommOp(op, b), unit_latency) for b, _ in points])
     x = np.array([op_time(CommOp(op, b), unit_bytes) for b, _ in points])
     t = np.array([sec for _, sec in points])

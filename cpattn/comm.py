@@ -17,6 +17,14 @@ communicator, the schedules' ``volume()`` (derived from their ``steps()``) and t
 | all_reduce of N bytes | 2 (P-1) N / P | 2 (P-1) N / P |
 | all_to_all of N bytes in per rank | (P-1) N / P | (P-1) N / P |
 
+Each op kind also counts ``wire_sent``: the bytes this rank sends on the wire under the algorithm the
+cost model picks for that op and size on the communicator's topology (:meth:`Communicator.set_topology`;
+without one, one node of ``world_size`` ranks; ``cpattn.cost.collectives.algorithm``), counting what
+it forwards for others (:func:`cpattn.steps.wire`): a ring broadcast sends N from every rank but the
+chain's last, a tree one about N per rank, an all_reduce 2 (P-1) N / P as a ring and about 2 N as a
+tree; the other ops send their payload. ``stats()`` gives it in ``"total"``, and per op with
+``stats(wire=True)``.
+
 A hierarchical all_gather / reduce_scatter (:meth:`Communicator.hierarchical_all_gather`) counts as
 *one* call of its op kind with the flat payload, (P-1) n: that is exactly what the rank sends and
 receives over its two levels ((N-1) n across nodes plus (D-1) N n inside the node, for N nodes of D
@@ -38,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 from . import trace
-from .steps import payload
+from .steps import TREE_OPS, CommOp, payload
+from .steps import wire as wire_bytes
 from .topology import Topology
 
 try:  # torch >= 2.2
@@ -96,6 +105,14 @@ def _two_level(topology: Topology | None, world: int) -> bool:
     return topology is not None and topology.nodes > 1 and topology.devices_per_node > 1 and world > 1
 
 
+#: the payload counts of each op kind in ``Communicator.stats()`` (``Schedule.volume()``'s keys)
+_PAYLOAD_KEYS = ("calls", "bytes_sent", "bytes_recv")
+
+
+def _new_counts() -> dict[str, int]:
+    return dict.fromkeys((*_PAYLOAD_KEYS, "wire_sent"), 0)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -143,7 +160,9 @@ class Communicator:
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
             self._global_ranks = dist.get_process_group_ranks(self.group)
-        self._stats: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
+        self._stats: dict[str, dict[str, int]] = defaultdict(_new_counts)
+        self._topology: Topology | None = None
+        self._algorithms: dict[tuple[str, int], str] = {}  # (op, bytes) -> the algorithm wire_sent counts
 
     def _from_mesh(self, mesh: DeviceMesh) -> dist.ProcessGroup:
         """The flat group of a 1-D or 2-D device mesh; a 2-D mesh (inter-node dim first, intra-node dim
@@ -165,7 +184,7 @@ class Communicator:
         recorded by ``cpattn.trace``: setup traffic, ``unshard``), without creating any process group."""
         other = copy.copy(self)
         other.record = record
-        other._stats = defaultdict(lambda: {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
+        other._stats = defaultdict(_new_counts)
         other._subs = None
         return other
 
@@ -180,19 +199,46 @@ class Communicator:
             raise ValueError(f"group rank {group_rank} outside [0, {self.world_size})")
         return self._global_ranks[group_rank]
 
+    def set_topology(self, topology: Topology | None) -> None:
+        """The topology whose collective algorithms ``wire_sent`` counts with (None: one node of
+        ``world_size`` ranks). ``ContextParallel`` sets its own at construction."""
+        if topology is not None and topology.world != self.world_size:
+            raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
+                             f"but the group has {self.world_size}")
+        self._topology = topology
+        self._algorithms = {}
+
+    def algorithm(self, op: str, nbytes: int) -> str:
+        """The algorithm ``wire_sent`` counts a broadcast, reduce or all_reduce of ``nbytes`` with: the
+        cost model's choice on this communicator's topology ("ring" or "tree"); "ring" for other ops."""
+        if op not in TREE_OPS:
+            return "ring"
+        key = (op, nbytes)
+        if key not in self._algorithms:
+            from .cost.collectives import algorithm  # cpattn.cost imports the schedules, which import this module
+
+            topology = self._topology or Topology(1, self.world_size)
+            self._algorithms[key] = algorithm(CommOp(op, nbytes), topology)
+        return self._algorithms[key]
+
     def _count(self, op: str, nbytes: int, root: int = 0) -> tuple[str, int, int]:
-        """Account one ``op`` of ``nbytes`` (see :func:`payload`); returns ``(op, sent, recv)``."""
+        """Account one ``op`` of ``nbytes`` (see :func:`payload` and :func:`wire`); returns ``(op, sent,
+        recv)``."""
         sent, recv = payload(op, nbytes, self.world_size, self.rank, root)
         s = self._stats[op]
         s["calls"] += 1
         s["bytes_sent"] += sent
         s["bytes_recv"] += recv
+        s["wire_sent"] += wire_bytes(op, nbytes, self.world_size, self.rank, root, self.algorithm(op, nbytes))
         return op, sent, recv
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        """``{op: {"calls", "bytes_sent", "bytes_recv"}}`` plus ``"total"``, for this rank."""
-        out = {op: dict(v) for op, v in self._stats.items()}
-        out["total"] = {k: sum(v[k] for v in self._stats.values()) for k in ("calls", "bytes_sent", "bytes_recv")}
+    def stats(self, wire: bool = False) -> dict[str, dict[str, int]]:
+        """``{op: {"calls", "bytes_sent", "bytes_recv"}}`` plus ``"total"`` (which also has
+        ``"wire_sent"``), for this rank; ``wire``: every op's ``"wire_sent"`` too. The per-op payload
+        counts are what ``Schedule.volume()`` declares, key for key."""
+        keys = (*_PAYLOAD_KEYS, "wire_sent") if wire else _PAYLOAD_KEYS
+        out = {op: {k: v[k] for k in keys} for op, v in self._stats.items()}
+        out["total"] = {k: sum(v[k] for v in self._stats.values()) for k in (*_PAYLOAD_KEYS, "wire_sent")}
         return out
 
     def reset_stats(self) -> None:
@@ -361,8 +407,9 @@ class Communicator:
         return self._subs
 
     def level_stats(self) -> dict[str, dict[str, int]]:
-        """Totals (``calls``, ``bytes_sent``, ``bytes_recv``) of the two levels of this communicator's
-        hierarchical collectives: ``inter_node`` (the rails) and ``intra_node``; empty before any ran."""
+        """Totals (``calls``, ``bytes_sent``, ``bytes_recv``, ``wire_sent``) of the two levels of this
+        communicator's hierarchical collectives: ``inter_node`` (the rails) and ``intra_node``; empty
+        before any ran."""
         if self._subs is None:
             return {}
         return {level: sub.stats()["total"] for level, sub in zip(LEVELS, self._subs)}

@@ -53,6 +53,84 @@ def payload(op: str, nbytes: int, size: int, rank: int, root: int = 0) -> tuple[
     return vol, vol
 
 
+#: collectives that run as a ring or as a tree (the others have one algorithm)
+TREE_OPS = ("broadcast", "reduce", "all_reduce")
+
+
+def wire(op: str, nbytes: int, size: int, rank: int, root: int = 0, algorithm: str = "ring") -> int:
+    """Bytes group rank ``rank`` sends *on the wire* for one ``op`` of ``nbytes`` (as :func:`payload`
+    takes them) in a group of ``size`` ranks under ``algorithm`` ("ring" or "tree", for the ops of
+    :data:`TREE_OPS`; the other ops have one algorithm and ignore it), counting what ranks forward for
+    others. ``root``: of a broadcast or reduce.
+
+    | op | ring | tree (double binary tree) |
+    |---|---|---|
+    | broadcast of N | N on every rank but the chain's last (root - 1) | N/2 per child per tree (below) |
+    | reduce of N | N on every non-root rank | N on every non-root rank (N/2 up each tree) |
+    | all_reduce of N | 2 (P-1) N / P | N/2 up (but at a tree's top) + N/2 per child, per tree |
+    | all_gather, reduce_scatter (n) | (P-1) n | - |
+    | all_to_all (N in) | (P-1) N / P | - |
+    | send / recv (n) | n / 0 | - |
+
+    Summed over the group: ring and tree broadcast and reduce (P-1) N, all_reduce 2 (P-1) N.
+
+    Trees: two complementary binary trees, each carrying half of the message (the first ``N - N // 2``
+    bytes, the second ``N // 2``). A tree over m ranks is the in-order binary tree of NCCL's double
+    binary tree (top 0 with one child; every other rank's parent flips its lowest set bit up), the
+    second the first mirrored (m - 1 - i, m even) or shifted by one (m odd), so that most ranks are
+    inner nodes of one tree (two children: N/2 each) and leaves of the other: about N per rank. A
+    broadcast or reduce builds both trees over the P - 1 ranks after the root (group rank root + 1 + i
+    is tree rank i); the root feeds (or is fed by) both tops. An all_reduce builds them over all P
+    ranks (group rank i is tree rank i), reduces up and broadcasts down each.
+    """
+    n, p = int(nbytes), size
+    if op in TREE_OPS and algorithm not in ("ring", "tree"):
+        raise ValueError(f"algorithm={algorithm!r} for {op}: expected 'ring' or 'tree' (resolve 'auto' first)")
+    if p < 1 or not 0 <= rank < p or not 0 <= root < p:
+        raise ValueError(f"rank={rank} and root={root} must lie in a group of size={size}")
+    if op in ("send", "recv", "all_gather", "reduce_scatter", "all_to_all") or \
+            (op == "all_reduce" and algorithm == "ring"):
+        return payload(op, n, p, rank, root)[0]
+    if p == 1:
+        if op in TREE_OPS:
+            return 0
+        raise ValueError(f"op={op!r} is unknown to the accounting")
+    v = (rank - root) % p
+    if op == "reduce":
+        return 0 if v == 0 else n
+    halves = (n - n // 2, n // 2)
+    if op == "broadcast":
+        if algorithm == "ring":
+            return 0 if v == p - 1 else n
+        if v == 0:
+            return n
+        return sum(h * c for h, c in zip(halves, _double_tree_children(v - 1, p - 1)))
+    if op == "all_reduce":
+        tops = (0, p - 1 if p % 2 == 0 else 1)
+        return sum(h * (c + (rank != top))
+                   for h, c, top in zip(halves, _double_tree_children(rank, p), tops))
+    raise ValueError(f"op={op!r} is unknown to the accounting")
+
+
+def _tree_children(i: int, m: int) -> int:
+    """Children of rank ``i`` in the in-order binary tree over ``0 .. m-1``: the top 0 has one (the
+    largest power of two below m); an odd rank is a leaf; rank i with lowest set bit b > 1 has i - b/2
+    and the first of i + b/2, i + b/4, ..., i + 1 below m (there is one when i + 1 < m)."""
+    if m <= 1:
+        return 0
+    if i == 0:
+        return 1
+    if i % 2:
+        return 0
+    return 1 + (i + 1 < m)
+
+
+def _double_tree_children(i: int, m: int) -> tuple[int, int]:
+    """Children of rank ``i`` in the two trees of a double binary tree over ``m`` ranks."""
+    second = m - 1 - i if m % 2 == 0 else (i - 1) % m
+    return _tree_children(i, m), _tree_children(second, m)
+
+
 def attention_flops(batch: int, heads: int, head_dim: int, pairs: float, phase: str = "forward") -> float:
     """The one FLOP count: ``4 b h d`` per attending (query, key) pair forward, 2.5x that backward
     (docs/bench.md); ``phase`` may be "forward+backward"."""
@@ -279,5 +357,5 @@ def distribution(works) -> tuple[tuple[Work, int], ...]:
 
 
 __all__ = ["BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES", "GROUPS", "Kernel", "PHASES", "Problem",
-           "Step", "Work", "area", "attention_flops", "distribution", "group_size", "payload", "split_phase",
-           "work"]
+           "Step", "TREE_OPS", "Work", "area", "attention_flops", "distribution", "group_size", "payload",
+           "split_phase", "wire", "work"]

@@ -22,7 +22,7 @@ def _synthetic(predicted: bool = False, masked: bool = False, flex: dict | None 
     """A bench result with chosen timings (no processes): three timed rows and one wrong row."""
     cfg = bench.BenchConfig(world=4, seq=256, mask={"kind": "sliding_window", "window": 8})
     rows = [bench.BenchRow("ring", fwd_s=0.1, fwd_bwd_s=0.4, tflops_per_rank=0.5, speedup=0.5, bytes_sent=3_000_000,
-                           bytes_recv=2_000_000, peak_mem_bytes=7_000_000, error=1.5e-7,
+                           bytes_recv=2_000_000, wire_sent=4_000_000, peak_mem_bytes=7_000_000, error=1.5e-7,
                            extra={"work": {"imbalance": 1.75}}),
             bench.BenchRow("zigzag_ring", fwd_s=0.05, fwd_bwd_s=0.2, tflops_per_rank=1.0, speedup=1.0,
                            extra={"work": {"imbalance": 1.0}}),
@@ -55,6 +55,7 @@ def test_render_shows_the_rows_and_the_ratios_of_their_timings():
     assert cols["vs zigzag_ring"] == ["0.50x", "1.00x", "", "0.25x"]
     assert cols["vs 1 proc"] == ["0.50x", "1.00x", "", "0.25x"]
     assert cols["sent MB/rank"][0] == "3.0" and cols["recv MB/rank"][0] == "2.0" and cols["peak MB/rank"][0] == "7.0"
+    assert cols["wire MB/rank"][0] == "4.0"
     assert cols["layout work max/mean"] == ["1.75", "1.00", "", "-"]
     assert cols["max rel err"][0] == "1.5e-07"
     assert not any(h.startswith("pred") for h in cols)
@@ -140,6 +141,7 @@ def test_bench_runs_checks_and_renders(tmp_path):
     base = result["baseline"]["fwd_bwd_s"]
     for r in rows.values():
         assert r["error"] < 1e-5 and r["fwd_bwd_s"] > 0 and r["bytes_sent"] > 0
+        assert r["wire_sent"] == r["bytes_sent"]  # rings and gathers forward nothing for others
         assert math.isclose(r["speedup"], base / r["fwd_bwd_s"])
     assert rows["ring"]["extra"]["work"]["imbalance"] > rows["zigzag_ring"]["extra"]["work"]["imbalance"] == 1.0
     cols = _columns(result)
@@ -151,8 +153,8 @@ def test_bench_runs_checks_and_renders(tmp_path):
     bench.save_json(result, str(path))
     saved = json.loads(path.read_text())
     assert saved["config"] == json.loads(json.dumps(result["config"])) and saved["config"]["seq"] == 128
-    assert [(r["schedule"], r["fwd_bwd_s"], r["bytes_sent"]) for r in saved["rows"]] == \
-        [(r["schedule"], r["fwd_bwd_s"], r["bytes_sent"]) for r in rows.values()]
+    assert [(r["schedule"], r["fwd_bwd_s"], r["bytes_sent"], r["wire_sent"]) for r in saved["rows"]] == \
+        [(r["schedule"], r["fwd_bwd_s"], r["bytes_sent"], r["wire_sent"]) for r in rows.values()]
     assert saved["baseline"] == result["baseline"]
 
 

@@ -116,7 +116,9 @@ def test_collective_formulas():
     node = Topology(1, 8, intra=link)
     n = 1 << 20
     assert op_time(CommOp("all_gather", n), node) == pytest.approx(7 * (2e-6 + n / 10e9))
-    assert op_time(CommOp("broadcast", n), node) == pytest.approx(3 * 2e-6 + n / 10e9)
+    assert op_time(CommOp("broadcast", n), node) == pytest.approx(7 * 2e-6 + n / 10e9)  # NCCL's ring
+    tree = dataclasses.replace(node, algorithm="tree")
+    assert op_time(CommOp("broadcast", n), tree) == pytest.approx(3 * 2e-6 + n / 10e9)
     assert op_time(CommOp("all_reduce", n), node) == pytest.approx(14 * (2e-6 + n / 8 / 10e9))
     multi = Topology(4, 8, intra=Link(1e-6, 400e9), inter=Link(5e-6, 50e9), nics_per_node=8)
     flat, hier = CommOp("all_gather", n), CommOp("all_gather", n, hierarchical=True)

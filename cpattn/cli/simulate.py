@@ -34,21 +34,58 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                                  "--cp x --dp; predicts step time and MFU per schedule")
     m.add_argument("--cp", type=int, default=None, help="model mode: context-parallel degree")
     m.add_argument("--dp", type=int, default=1, help="model mode: data-parallel degree")
-    m.add_argument("--matmul-efficiency", type=float, default=0.7,
-                   help="model mode: fraction of the matmul peak the dense layers reach (an assumption; default 0.7)")
+    m.add_argument("--matmul-efficiency", type=float, default=None,
+                   help="model mode: fraction of the matmul peak the dense layers reach (default: the preset's "
+                        "figure, cost.presets.MATMUL_EFFICIENCY: 0.66 for frontier; 0.7 where there is none)")
     m.add_argument("--peak-tflops", type=float, default=None,
                    help="model mode: dense bf16 peak per device (default: the preset's data-sheet figure)")
     m.add_argument("--reference-mfu", type=float, default=0.38,
                    help="model mode: the MFU to compare with (default 0.38, RingX's Llama3-8B at 1M tokens)")
     m.add_argument("--profile", help="calibration profile for --topology local")
+    m.add_argument("--algorithm", type=_algorithm, default=None,
+                   help="collective algorithms, as NCCL_ALGO: auto (the faster per op and size), ring, tree, or per "
+                        "op, e.g. 'all_reduce:tree;broadcast:ring' (default: $NCCL_ALGO if set, else auto; local: "
+                        "the algorithms its calibration fitted)")
     m.add_argument("--json", help="also write the rows as JSON to this path")
     m.add_argument("--plot", default="simulate.png", help="scaling plot PNG (default simulate.png; '' for none)")
     m.set_defaults(func=run)
     return m
 
 
+def _algorithm(text: str) -> str:
+    """``type=`` for ``--algorithm``: a spec ``cpattn.topology.parse_algorithm`` accepts."""
+    from ..topology import parse_algorithm
+
+    try:
+        parse_algorithm(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def algorithm_choice(given: str | None) -> str | None:
+    """The collective algorithms to simulate with: ``--algorithm``, else ``$NCCL_ALGO`` when set (it must
+    be a spec ``--algorithm`` accepts), else None (the topology's own: auto, or local's calibrated ones)."""
+    import os
+
+    from ..topology import parse_algorithm
+
+    if given is not None:
+        return given
+    env = os.environ.get("NCCL_ALGO")
+    if not env:
+        return None
+    try:
+        parse_algorithm(env)
+    except ValueError as exc:
+        raise ValueError(f"NCCL_ALGO={env!r} sets the default of --algorithm but is not understood ({exc}); pass "
+                         "--algorithm explicitly, e.g. --algorithm auto") from None
+    return env
+
+
 def run(args) -> int:
     import json
+    from dataclasses import replace
 
     from rich.progress import Progress
     from rich.table import Table
@@ -74,11 +111,14 @@ def run(args) -> int:
             continue
         (names if cost.estimable(name) else unmodelled).append(name)
     prof = a.load_profile(args.profile) if args.topology.preset == "local" else None
+    algo = algorithm_choice(args.algorithm)
     rows, bounds = [], {}
     with Progress(console=stderr(), transient=True) as progress:
         task = progress.add_task("simulate", total=len(gpus) * len(names))
         for p in gpus:
             topo = args.topology.build(p, prof)
+            if algo is not None:
+                topo = replace(topo, algorithm=algo)
             seq = args.seq if args.seq is not None else args.seq_per_gpu * p
             try:
                 problem = cost.Problem(seq, p, mask, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype)
@@ -94,22 +134,24 @@ def run(args) -> int:
                 rows.append(_row(name, problem, topo, args.phase))
                 progress.advance(task)
     t = Table(title=f"cpattn simulate: {args.topology}, {mask!r}, h={args.heads}:{args.kv_heads} d={args.head_dim} "
-                    f"b={args.batch} {args.dtype}, {args.phase}",
+                    f"b={args.batch} {args.dtype}, {args.phase}, collectives {algo or 'default'}",
               caption="times on the busiest rank; TFLOP/s counts allowed (q, k) pairs (bwd = 2.5 x fwd); "
-                      "vs ring = T(ring) / T(schedule)")
+                      "vs ring = T(ring) / T(schedule); sent = payload of the busiest rank, wire = what the "
+                      "busiest rank sends on the wire, forwarding for others included (collective algorithms)")
     for col in ("GPUs", "seq", "schedule", "total ms", "compute ms", "comm ms", "exposed ms", "TFLOP/s/GPU",
-                "vs ring", "sent MB/GPU", "peak GiB/GPU", "note"):
+                "vs ring", "sent MB/GPU", "wire MB/GPU", "peak GiB/GPU", "note"):
         t.add_column(col, justify="left" if col in ("schedule", "note") else "right")
     ring = {r["gpus"]: r["estimate"] for r in rows if r["schedule"] == "ring" and r["estimate"] is not None}
     for r in rows:
         e = r["estimate"]
         if e is None:
-            t.add_row(str(r["gpus"]), str(r["seq"]), r["schedule"], *[""] * 8, f"[dim]{r['note']}[/dim]")
+            t.add_row(str(r["gpus"]), str(r["seq"]), r["schedule"], *[""] * 9, f"[dim]{r['note']}[/dim]")
             continue
         vs = f"{ring[r['gpus']].total / e.total:.2f}x" if r["gpus"] in ring else "-"
         t.add_row(str(r["gpus"]), str(r["seq"]), r["schedule"], f"{e.total * 1e3:.4g}", f"{e.compute * 1e3:.4g}",
                   f"{e.comm * 1e3:.4g}", f"{e.exposed_comm * 1e3:.4g}", f"{e.tflops_per_rank(r['gpus']):.3g}", vs,
-                  f"{e.bytes_per_rank / 1e6:.4g}", f"{e.peak_memory / 2**30:.3g}", r["note"])
+                  f"{e.bytes_per_rank / 1e6:.4g}", f"{e.wire_bytes_per_rank / 1e6:.4g}", f"{e.peak_memory / 2**30:.3g}",
+                  r["note"])
     out = stdout()
     out.print(t)
     if bounds:
@@ -143,8 +185,8 @@ def run_model(args) -> int:
     from rich.table import Table
 
     from .. import cost, schedules
-    from ..cost.presets import MATMUL_PEAK
-    from ..cost.training import DecoderShape, step_estimate
+    from ..cost.presets import DEFAULT_MATMUL_EFFICIENCY, MATMUL_EFFICIENCY, MATMUL_PEAK
+    from ..cost.training import DecoderShape, dp_group, step_estimate
     from ..masks import resolve
     from ..models import flops
     from ..models.llama import LLAMA_CONFIGS
@@ -164,23 +206,26 @@ def run_model(args) -> int:
                          flops.param_count(conf))
     seq = args.seq or 1 << 20
     mask = resolve(args.mask)
+    efficiency = args.matmul_efficiency
+    if efficiency is None:
+        efficiency = MATMUL_EFFICIENCY.get(preset, DEFAULT_MATMUL_EFFICIENCY)
     topo = args.topology.build(args.cp, a.load_profile(args.profile) if preset == "local" else None)
-    nic_share = topo.inter.bandwidth * max(1, topo.nics_per_node) / topo.devices_per_node
+    # the gradient all-reduce's group on the whole machine (a preset); else each replica on nodes of its own
+    dp_topo = dp_group(args.topology.build(args.cp * args.dp), args.cp) if preset in MATMUL_PEAK else None
     names = args.schedules or [n for n in cost.default_candidates(mask) if cost.estimable(n)]
     rows, skipped = [], []
     for name in names:
         try:
             schedules.get(name).check_mask(mask)
             cost.check_supports(name, cost.Problem(seq, args.cp, mask, 1, conf.heads, conf.kv_heads, conf.head_dim))
-            rows.append(step_estimate(shape, seq, args.cp, args.dp, mask, name, topo, peak, args.matmul_efficiency,
-                                      nic_share, topo.inter.latency))
+            rows.append(step_estimate(shape, seq, args.cp, args.dp, mask, name, topo, peak, efficiency, dp_topo))
         except (ValueError, TypeError, NotImplementedError) as exc:
             if args.schedules:  # asked for by name: say why not
                 stderr().print(f"{name}: {exc}")
             skipped.append(name)
     t = Table(title=f"{args.model} at {seq} tokens, cp {args.cp} x dp {args.dp} = {args.cp * args.dp} devices on "
                     f"{args.topology}, {mask.name} (peak {peak / 1e12:.4g} TFLOP/s per device, dense layers at "
-                    f"{100 * args.matmul_efficiency:.0f}% of it)",
+                    f"{100 * efficiency:.0f}% of it)",
               caption=f"MFU counts 6N plus the attention pairs the mask computes; reference MFU "
                       f"{100 * args.reference_mfu:.0f}%")
     for col in ("schedule", "step s", "attention s", "dense s", "grad sync s (exposed)", "tokens/s", "MFU",

@@ -11,8 +11,10 @@ The schedule declares its steps (``Schedule.steps``); each step is timed by its 
 
 with ``overlap`` the topology's hidden fraction (1 on GPUs). The call takes the sum of its steps'
 durations (steps are separated by waits, so the slowest rank sets the pace of each). Traffic is the
-busiest rank's payload (``cpattn.comm`` units) from the steps' ops; memory is the resident inputs
-and outputs plus the largest ``live_bytes`` of any step.
+busiest rank's payload (``cpattn.comm`` units) from the steps' ops, and the busiest rank's wire bytes
+(``cpattn.steps.wire``: what it sends, forwarding included, under the algorithm
+``collectives.algorithm`` resolves for each op); memory is the resident inputs and outputs plus the
+largest ``live_bytes`` of any step.
 
 A planned schedule (``ultra``) is estimated from its plan instead (:func:`plan_estimate`: the
 simulated makespan), built with ``cpattn.planner`` or read from the plan cache.
@@ -25,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from .. import planner, schedules
@@ -32,9 +35,9 @@ from ..kernels import DTYPES
 from ..layout import Layout
 from ..masks import CausalMask, FullMask, Mask
 from ..schedules.base import Schedule
-from ..steps import Problem, Step, split_phase
+from ..steps import CommOp, Problem, Step, split_phase, wire
 from ..topology import Topology
-from .collectives import group_size, op_times
+from .collectives import algorithm, group_size, op_times
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +46,12 @@ log = logging.getLogger(__name__)
 class Estimate:
     """Prediction for one call. ``total``, ``compute``, ``comm``, ``exposed_comm``: seconds (compute and
     comm summed over steps on the busiest rank; exposed_comm = total - compute, the part of comm not
-    hidden). ``bytes_per_rank``: bytes sent by the busiest rank. ``peak_memory``: bytes per rank.
-    ``flops``: attention FLOPs of the whole problem (allowed pairs only)."""
+    hidden). ``bytes_per_rank``: payload bytes sent by the busiest rank (``cpattn.comm`` accounting).
+    ``peak_memory``: bytes per rank. ``flops``: attention FLOPs of the whole problem (allowed pairs
+    only). ``wire_bytes_per_rank``: bytes the busiest rank sends on the wire, forwarding for others
+    included, under the topology's collective algorithms (``cpattn.steps.wire``): the payload for
+    point-to-point traffic, all-gathers, reduce-scatters and reduces, more where broadcasts are
+    forwarded; a tree all-reduce sends about 2 N per rank where the ring sends 2 (P-1) N / P."""
 
     total: float
     compute: float
@@ -55,6 +62,7 @@ class Estimate:
     schedule: str = ""
     phase: str = "forward+backward"
     flops: float = 0.0
+    wire_bytes_per_rank: int = 0
 
     def tflops_per_rank(self, world: int) -> float:
         """Achieved attention TFLOP/s per rank (FLOPs / total / world / 1e12)."""
@@ -107,7 +115,8 @@ def plan_estimate(plan, problem: Problem, phase: str, name: str = "ultra") -> Es
             into[t.dst] += sizes.item_bytes(t.item)
         sent += max(out)
         peak = max(peak, resident_bytes(problem, ph) + max(a + b for a, b in zip(out, into)))
-    return Estimate(total, compute, comm, total - compute, sent, peak, name, phase, problem.flops(phase))
+    return Estimate(total, compute, comm, total - compute, sent, peak, name, phase, problem.flops(phase),
+                    wire_bytes_per_rank=sent)  # a plan's transfers are point-to-point: nothing is forwarded
 
 
 def _busy(ops, kinds: tuple[str, ...]) -> float:
@@ -162,6 +171,38 @@ def busiest_bytes_sent(steps: list[Step], topology: Topology) -> int:
     return base + most
 
 
+def busiest_wire_sent(steps: list[Step], topology: Topology) -> int:
+    """Bytes sent on the wire by the rank that sends most over ``steps``: each op counted per rank by
+    ``cpattn.steps.wire`` under the algorithm the cost model resolves for it on ``topology``."""
+    per_rank = np.zeros(topology.world, dtype=np.int64)
+    for st in steps:
+        for op in st.comm:
+            per_rank += wire_by_rank(op, topology)
+    return int(per_rank.max(initial=0))
+
+
+def wire_by_rank(op: CommOp, topology: Topology) -> np.ndarray:
+    """``[world]`` bytes each rank sends on the wire for ``op`` (every node runs a "node" op, every
+    rail a "rail" op)."""
+    g = group_size(op, topology)
+    kinds = ("send", "recv") if op.op == "sendrecv" else (op.op,)
+    by_group_rank = np.roll(_wire_from_root_0(kinds, op.bytes, g, algorithm(op, topology)), op.root)
+    if op.group == "node":
+        return np.tile(by_group_rank, topology.world // g)
+    if op.group == "rail":
+        return np.repeat(by_group_rank, topology.world // g)
+    return by_group_rank
+
+
+@lru_cache(maxsize=1024)
+def _wire_from_root_0(kinds: tuple[str, ...], nbytes: int, size: int, algo: str) -> np.ndarray:
+    """Wire bytes of group ranks ``0 .. size-1`` for one op of ``kinds`` with root 0 (rolled by the
+    caller to any other root: every algorithm here is relative to the root). Read-only."""
+    out = np.array([sum(wire(k, nbytes, size, r, 0, algo) for k in kinds) for r in range(size)], dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
 def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
              phase: str = "forward+backward") -> Estimate:
     """Predict ``schedule`` (a name or a Schedule) on ``problem`` over ``topology`` for ``phase``
@@ -184,7 +225,7 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
     device = topology.device
     times: dict = {}
     total = compute = comm = 0.0
-    sent, peak = 0, 0
+    sent, wired, peak = 0, 0, 0
     for ph in split_phase(phase):
         steps = sched.steps(problem, ph, topology)
         for st in steps:
@@ -203,8 +244,10 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
             compute += c
             comm += m + blocking
         sent += busiest_bytes_sent(steps, topology)
+        wired += busiest_wire_sent(steps, topology)
         peak = max(peak, resident_bytes(problem, ph) + max((st.live_bytes for st in steps), default=0))
-    return Estimate(total, compute, comm, total - compute, sent, peak, sched.name, phase, problem.flops(phase))
+    return Estimate(total, compute, comm, total - compute, sent, peak, sched.name, phase, problem.flops(phase),
+                    wired)
 
 
 #: how :func:`rank_schedules` words an exclusion for memory (``choose`` recognises it)
@@ -279,5 +322,6 @@ def choose(problem: Problem, topology: Topology, names: list[str] | None = None,
     return best, why
 
 
-__all__ = ["Estimate", "busiest_bytes_sent", "check_supports", "choose", "declares_steps", "default_candidates",
-           "estimable", "estimate", "plan_estimate", "rank_schedules", "resident_bytes"]
+__all__ = ["Estimate", "busiest_bytes_sent", "busiest_wire_sent", "check_supports", "choose", "declares_steps",
+           "default_candidates", "estimable", "estimate", "plan_estimate", "rank_schedules", "resident_bytes",
+           "wire_by_rank"]

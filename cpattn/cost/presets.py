@@ -20,10 +20,18 @@ from .profile import Profile, load_default
 # frontier_user_guide.html): 64 GB HBM2e and 1.6 TB/s per GCD; GCD-GCD Infinity Fabric 50-100 GB/s
 # between MI250X (200 GB/s inside one), per direction; 4 x 25 GB/s Slingshot NICs, each attached to one
 # MI250X. AMD Instinct MI250X data sheet: 383 TFLOP/s dense bf16 per MI250X = 191.5 per GCD.
-# Assumed: flash attention at 40% of that forward and 30% backward, in line with RingX's reported
-# 38% MFU for Llama3-8B at 1M tokens on Frontier; 10 us per collective step (RCCL over Slingshot;
-# rccl-tests small-message times are a few to tens of us) and 5 us inside the node.
-FRONTIER_DEVICE = Device("MI250X GCD", forward_flops=0.40 * 191.5e12, backward_flops=0.30 * 191.5e12,
+# Attention rate, independent of RingX: FlashAttention-2 (ROCm flash-attention, CK backend, ROCm 6.4.1,
+# gfx90a) under the upstream benchmarks/benchmark_flash_attention.py, posted in LlamaFactory issue #8793
+# ("Flash Attention 2 on ROCm is SLOWER during sft training", 2025): non-causal, head dim 64, batch 2 x
+# 8,192 tokens: 86.72 TFLOP/s forward, 61.07 backward, = 45.3% / 31.9% of a GCD's 191.5 (47.9% / 33.7%
+# if that gfx90a was a 181 TFLOP/s MI210 or MI250 GCD); 73.7-87.6 / 47.2-62.4 TFLOP/s over 512-8,192
+# tokens. We take 45% / 32% as the large-block rate (the block-size factor then puts an 8,192-token
+# block about 6% below the measured figure); plausible range 38-48% forward, 25-34% backward (head
+# dim 128, bf16 and causal blocks were not in that run). Assumed: 10 us per collective step (RCCL over
+# Slingshot; rccl-tests small-message times are a few to tens of us) and 5 us inside the node.
+FRONTIER_ATTENTION_EFFICIENCY = (0.45, 0.32)  # forward, backward: fractions of 191.5 TFLOP/s (above)
+FRONTIER_DEVICE = Device("MI250X GCD", forward_flops=FRONTIER_ATTENTION_EFFICIENCY[0] * 191.5e12,
+                         backward_flops=FRONTIER_ATTENTION_EFFICIENCY[1] * 191.5e12,
                          memory_bandwidth=1.6e12, memory=64 * 2**30, half_tokens=256.0, launch=10e-6)
 FRONTIER = dict(devices_per_node=8, intra=Link(5e-6, 50e9), inter=Link(10e-6, 25e9), nics_per_node=4,
                 device=FRONTIER_DEVICE)
@@ -64,6 +72,16 @@ NAMES = (*PRESETS, "local")
 #: 383 TFLOP/s per package of 2 GCDs; H100 SXM5: 989; A100 SXM4: 312): the peak MFU is taken against
 MATMUL_PEAK = {"frontier": 191.5e12, "dgx-h100": 989e12, "dgx-a100": 312e12}
 
+#: fraction of MATMUL_PEAK the dense layers reach, per preset. frontier: measured bf16 matmul maxima on
+#: one MI250X GCD, S. Bekman, "Machine Learning Engineering Open Book", compute/accelerator/README.md,
+#: "Maximum Achievable Matmul FLOPS" table: 147.0 TFLOP/s (76.7% of 191.5; ROCm 6.2, best of a shape
+#: search), and 127 TFLOP/s reported on another MI250X GCD in stas00/ml-engineering issue #76 (2024);
+#: we take the lower, 127 / 191.5 = 0.66 (range 0.66-0.77; a search maximum bounds real layer shapes
+#: from above). dgx-h100, dgx-a100: assumed 0.7 (the same table measures 80% and 87%).
+MATMUL_EFFICIENCY = {"frontier": 127.0 / 191.5, "dgx-h100": 0.7, "dgx-a100": 0.7}
+#: the assumption for devices with no figure above (``local``, generic NxD topologies)
+DEFAULT_MATMUL_EFFICIENCY = 0.7
+
 
 def _nodes(name: str, world: int, per_node: int) -> tuple[int, int]:
     if not isinstance(world, int) or world < 1:
@@ -76,11 +94,19 @@ def _nodes(name: str, world: int, per_node: int) -> tuple[int, int]:
     return world // per_node, per_node
 
 
+#: the collective algorithms ``local`` prices gloo's collectives with, and calibration fits its per-op
+#: links to: all_reduce as a ring (gloo runs a ring), broadcast and reduce as trees. gloo's broadcast is
+#: a binomial tree forwarding whole messages (ceil(log2 P) steps of N), its reduce a ring reduce-scatter
+#: then a gather to the root; on the 2 ranks calibration measures, their ring and tree formulas agree.
+LOCAL_ALGORITHM = "all_reduce:ring;broadcast:tree;reduce:tree"
+
+
 def local(world: int, profile: Profile | None = None, threads_per_rank: int | None = None,
           cores: int | None = None, nodes: int = 1) -> Topology:
     """``world`` ranks on this machine, from ``profile`` (or the conservative defaults without one).
     ``nodes`` > 1 emulates that many nodes of ``world // nodes`` ranks each (as gloo runs do): the
     same machine's figures, its loopback link standing in for both the intra- and inter-node links.
+    Collectives run :data:`LOCAL_ALGORITHM`, the algorithms calibration fits its links with.
 
     Measured kernel rates are rescaled to the cores each rank gets: ``min(threads_per_rank, cores /
     world)`` against the same figure at calibration time (ranks share the cores; oversubscribed ranks
@@ -95,7 +121,8 @@ def local(world: int, profile: Profile | None = None, threads_per_rank: int | No
     where = "" if nodes == 1 else f" {nodes}x{world // nodes}"
     if profile is None:
         return Topology(**shape, intra=LOCAL_DEFAULT_LINK, inter=LOCAL_DEFAULT_LINK,
-                        device=LOCAL_DEFAULT_DEVICE, overlap=0.0, name=f"local{where} (uncalibrated)")
+                        device=LOCAL_DEFAULT_DEVICE, overlap=0.0, algorithm=LOCAL_ALGORITHM,
+                        name=f"local{where} (uncalibrated)")
     cores = cores or profile.cores
     threads = threads_per_rank or max(1, cores // world)
     share_now = min(float(threads), cores / world)
@@ -108,7 +135,7 @@ def local(world: int, profile: Profile | None = None, threads_per_rank: int | No
                     table=profile.kernels).scaled(share_now / share_then)
     intra = profile.links["sendrecv"]
     return Topology(**shape, intra=intra, inter=intra, device=device, overlap=profile.overlap,
-                    op_links=tuple(sorted(profile.links.items())), name=f"local{where}")
+                    op_links=tuple(sorted(profile.links.items())), algorithm=LOCAL_ALGORITHM, name=f"local{where}")
 
 
 def preset(name: str, world: int, profile: Profile | None = None, algorithm: str | None = None) -> Topology:
@@ -128,5 +155,5 @@ def preset(name: str, world: int, profile: Profile | None = None, algorithm: str
                     algorithm=algorithm or "auto", name=key)
 
 
-__all__ = ["DGX_A100", "DGX_H100", "FRONTIER", "LOCAL_DEFAULT_DEVICE", "MATMUL_PEAK", "NAMES", "PRESETS", "local",
-           "preset"]
+__all__ = ["DEFAULT_MATMUL_EFFICIENCY", "DGX_A100", "DGX_H100", "FRONTIER", "FRONTIER_ATTENTION_EFFICIENCY",
+           "LOCAL_DEFAULT_DEVICE", "MATMUL_EFFICIENCY", "MATMUL_PEAK", "NAMES", "PRESETS", "local", "preset"]
