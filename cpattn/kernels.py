@@ -7,13 +7,17 @@ alignment the same, so every kernel's causal flag means the same thing) or PARTI
 ``mask [s_q, s_kv]``).
 
 - ``forward(q, k, v, kind, scale, mask) -> (out [b, s_q, h, d], lse [b, h, s_q])``
-- ``backward(dout, q, k, v, out, lse, kind, scale, mask) -> (dq, dk, dv)``
+- ``backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None) -> (dq, dk, dv)``
 - ``forward_stacked`` / ``backward_stacked``: the same for ``pieces`` FULL or CAUSAL blocks of one shape
   stacked along the batch dimension, in one call (``cpattn.blocks.batches``)
 
 Results are in the *accumulation dtype* (:func:`acc_dtype`: float32, or float64 for float64 inputs) so
 schedules merge and sum them without extra casts. The backward takes the *final* ``out`` and ``lse``
 of the whole row (after every block is merged): that is what makes per-block gradients add up exactly.
+The backward needs ``out`` only through ``D = rowsum(dout * out)`` (``delta [b, h, s_q]``, accumulation
+dtype); a caller that has D and not ``out`` passes ``out=None, delta=D``. The ``math`` path takes D
+directly (:data:`DELTA_PATHS`); the fused ops compute D from ``out`` themselves, so they get
+:func:`out_for_delta`, a tensor whose rowsum with ``dout`` is D (the same gradients, on the same path).
 Rows with no allowed key give out 0, lse -inf and zero gradients, never NaN.
 
 Each call runs one named *kernel path* (:data:`PATHS`), chosen by the pure function
@@ -49,6 +53,8 @@ BACKENDS = ("auto", "aten", "flash_attn", "math")
 PATHS = ("flash_cpu", "flash_cuda", "cudnn_cuda", "efficient_cuda", "flex_cuda", "flash_attn", "math")
 #: FULL/CAUSAL paths on CUDA in the order ``auto`` and ``aten`` try them
 CUDA_ORDER = ("flash_cuda", "cudnn_cuda", "efficient_cuda")
+#: paths whose backward takes ``delta = rowsum(dout * out)`` in place of ``out``
+DELTA_PATHS = frozenset({"math"})
 #: paths whose op takes fewer key/value heads than query heads; the others get expanded heads
 NATIVE_GQA = frozenset({"flash_cpu", "flash_cuda", "flex_cuda", "flash_attn", "math"})
 #: the one dtype table: name -> torch dtype of every supported q/k/v dtype (float64: CPU reference work)
@@ -287,7 +293,7 @@ def _math_forward(q, k, v, kind, scale, mask):
     return out, lse
 
 
-def _math_backward(dout, q, k, v, out, lse, kind, scale, mask):
+def _math_backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None):
     acc = acc_dtype(q.dtype)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -301,7 +307,6 @@ def _math_backward(dout, q, k, v, out, lse, kind, scale, mask):
         n = r1 - r0
         qc = q[:, r0:r1].to(acc).view(b, n, hkv, g, d)
         doc = dout[:, r0:r1].to(acc).view(b, n, hkv, g, d)
-        oc = out[:, r0:r1].to(acc).view(b, n, hkv, g, d)
         lc = lse[:, :, r0:r1].to(acc).reshape(b, hkv, g, n)
         s = torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale
         allowed = _allowed(kind, mask, r0, r1, sk, q.device)
@@ -310,8 +315,11 @@ def _math_backward(dout, q, k, v, out, lse, kind, scale, mask):
         p = torch.exp(s - torch.where(torch.isinf(lc), 0.0, lc).unsqueeze(-1))
         dv += torch.einsum("bngqk,bqngd->bknd", p, doc)
         dp = torch.einsum("bqngd,bknd->bngqk", doc, vf)
-        delta = (doc * oc).sum(-1).permute(0, 2, 3, 1).unsqueeze(-1)  # [b, n, g, q, 1]
-        ds = p * (dp - delta)
+        if delta is None:
+            dc = (doc * out[:, r0:r1].to(acc).view(b, n, hkv, g, d)).sum(-1).permute(0, 2, 3, 1)
+        else:
+            dc = delta[:, :, r0:r1].to(acc).reshape(b, hkv, g, n)
+        ds = p * (dp - dc.unsqueeze(-1))  # dc: [b, n, g, q]
         dq[:, r0:r1] = (torch.einsum("bngqk,bknd->bqngd", ds, kf) * scale).reshape(b, n, h, d)
         dk += torch.einsum("bngqk,bqngd->bknd", ds, qc) * scale
     return dq, dk, dv
@@ -351,9 +359,11 @@ def _run_forward(path, q, k, v, kind, scale, mask, expand):
     return out.to(acc), lse.to(acc)
 
 
-def _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand):
+def _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand, delta=None):
     groups = _expands(path, q, k, expand)
-    dq, dk, dv = _BACKWARD[path](dout, q, expand_kv(k, groups), expand_kv(v, groups), out, lse, kind, scale, mask)
+    args = (dout, q, expand_kv(k, groups), expand_kv(v, groups), out, lse, kind, scale, mask)
+    with_delta = delta is not None and path in DELTA_PATHS
+    dq, dk, dv = _BACKWARD[path](*args, delta=delta) if with_delta else _BACKWARD[path](*args)
     acc = acc_dtype(q.dtype)
     return dq.to(acc), reduce_kv_grad(dk, groups).to(acc), reduce_kv_grad(dv, groups).to(acc)
 
@@ -382,6 +392,18 @@ def kernel_for(q: torch.Tensor, kind: BlockKind, backend: str = "auto", kv_len: 
     return choose_kernel(q.device.type, q.dtype, q.shape[3], kind, available_kernels(q.device), backend, kv_len)
 
 
+def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A stand-in for ``out`` (``dout``'s shape and dtype) whose rowsum with ``dout`` is ``delta`` ([b, h,
+    s_q]): ``dout * D / rowsum(dout^2)`` per row and head (0 where ``dout`` is 0, where D is 0 too). A
+    backward uses ``out`` only through that rowsum, so its gradients are those of the real ``out``; in
+    low precision D is rounded like a rowsum over a stored ``out`` (one rounding per element)."""
+    acc = acc_dtype(dout.dtype)
+    d = dout.to(acc)
+    norm = (d * d).sum(-1)  # [b, s, h]
+    scale = torch.where(norm > 0, delta.to(acc).transpose(1, 2) / norm.clamp_min(torch.finfo(acc).tiny), 0.0)
+    return (d * scale.unsqueeze(-1)).to(dout.dtype)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float,
             mask: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block. Returns ``out [b, s_q, h, d]`` and ``lse [b, h, s_q]`` in the
@@ -391,14 +413,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, 
     return _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, mask, None)
 
 
-def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
              lse: torch.Tensor, kind: BlockKind, scale: float, mask: torch.Tensor | None = None,
-             backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of one block given the row's final ``out`` (input dtype) and ``lse``.
-    Returns ``dq [b, s_q, h, d]``, ``dk, dv [b, s_kv, h_kv, d]`` in the accumulation dtype."""
+             backend: str = "auto", delta: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block given the row's final ``out`` (input dtype) and ``lse``, or, with ``out``
+    None, its ``delta [b, h, s_q] = rowsum(dout * out)`` (accumulation dtype: ``math`` takes it as is,
+    a fused path gets :func:`out_for_delta`). Returns ``dq [b, s_q, h, d]``, ``dk, dv [b, s_kv, h_kv, d]``
+    in the accumulation dtype."""
+    if out is None and delta is None:
+        raise ValueError("backward needs the row's final out, or its delta = rowsum(dout * out)")
     _check_block(q, k, kind, mask)
     trace.compute("backward", kind.value, q.shape[1], k.shape[1])
-    return _run_backward(kernel_for(q, kind, backend, k.shape[1]), dout, q, k, v, out, lse, kind, scale, mask, None)
+    path = kernel_for(q, kind, backend, k.shape[1])
+    if out is None and path not in DELTA_PATHS:
+        out, delta = out_for_delta(dout, delta), None
+    return _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta)
 
 
 def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float, pieces: int,

@@ -4,7 +4,7 @@ as :class:`cpattn.cost.simulator.Task` so the cost model times and simulates it.
 
 Items that travel (one message each, ``chunk`` tokens of one chunk) and their sizes are the
 executor's table, :data:`cpattn.schedules.ultra.ITEMS`: q, kv (packed), o (partial output and lse),
-qb (lse, q, dout and the final out), dq and dkv (partial gradients).
+qb (the final lse, D = rowsum(dout * out), q and dout), dq and dkv (partial gradients).
 
 Routing. A device that computes a cell of row i needs row i's input item; one that produced a partial
 output of chunk i must return it to i's owner. Inside a node items go directly. Across nodes they are

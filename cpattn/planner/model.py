@@ -19,7 +19,7 @@ from .kernel_graph import PHASES, Transfer
 from .tiling import Kernel
 
 SCHEMA = "cpattn-plan"
-SCHEMA_VERSION = 3  # also bumped when the planner's output changes, so cached plans are rebuilt
+SCHEMA_VERSION = 4  # also bumped when the planner's output changes, so cached plans are rebuilt
 OP_KINDS = ("recv", "send", "compute", "merge")
 
 

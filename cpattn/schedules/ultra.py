@@ -18,10 +18,13 @@ plan order:
 - ``merge``: wait for a partial result and fold it in (pairwise, as partials arrive).
 
 A chunk's accumulator on its owner is a view of the rank's output, so when all partials have been
-merged the owner holds the exact result. Backward, a row's remote kernels get q, dout, the final out
-and its lse from the owner, which makes per-block gradients add up exactly. Only key/value heads
-travel (GQA). The plan's validation guarantees the order cannot deadlock and messages between two
-ranks are posted in the same order on both sides.
+merged the owner holds the exact result. Backward, a row's remote kernels get q, dout, its final lse
+and ``D = rowsum(dout * out)`` (one float per row and head, computed once on the owner) from the
+owner: with the final lse and D, per-block gradients add up exactly, and D is all of ``out`` that the
+gradients use. A kernel whose rows this rank owns passes its local ``out`` (fused kernel paths); one
+with a fetched row passes D (``kernels.backward(..., out=None, delta=D)``, the ``math`` path). Only
+key/value heads travel (GQA). The plan's validation guarantees the order cannot deadlock and messages
+between two ranks are posted in the same order on both sides.
 
 Communication per rank: one ``send`` per transfer leaving it and one ``recv`` per transfer arriving,
 of :meth:`Sizes.item_bytes` each (``Plan.volume``). ``ultra`` declares no ``steps()``: its plan is its
@@ -95,16 +98,16 @@ class Item:
 
 
 def _pack_qb(value) -> torch.Tensor:
-    q, dout, out, lse = value  # lse (accumulation dtype) first, so every part stays aligned
-    rest = torch.stack([q, dout, out]).reshape(-1).view(torch.uint8)
-    return torch.cat([lse.contiguous().view(-1).view(torch.uint8), rest])
+    q, dout, lse, delta = value  # lse and delta (accumulation dtype) first, so every part stays aligned
+    rows = torch.stack([lse, delta]).reshape(-1).view(torch.uint8)
+    return torch.cat([rows, torch.stack([q, dout]).reshape(-1).view(torch.uint8)])
 
 
 def _unpack_qb(buf: torch.Tensor, z: Sizes, dtype: torch.dtype, acc: torch.dtype):
-    lse_bytes = z.rows * z.acc_elem
-    lse = buf[:lse_bytes].view(acc).view(z.batch, z.heads, z.chunk)
-    rest = buf[lse_bytes:].view(dtype).view(3, z.batch, z.chunk, z.heads, z.head_dim)
-    return rest[0], rest[1], rest[2], lse
+    row_bytes = 2 * z.rows * z.acc_elem
+    lse, delta = buf[:row_bytes].view(acc).view(2, z.batch, z.heads, z.chunk)
+    q, dout = buf[row_bytes:].view(dtype).view(2, z.batch, z.chunk, z.heads, z.head_dim)
+    return q, dout, lse, delta
 
 
 def _unpack_o(buf: torch.Tensor, z: Sizes, dtype: torch.dtype, acc: torch.dtype):
@@ -132,9 +135,10 @@ ITEMS: dict[str, Item] = {
     "o": Item(("forward",), "partial", "rows", lambda z: z.rows * (z.head_dim + 1) * z.acc_elem,
               lambda z, dt, acc: ((z.rows * (z.head_dim + 1),), acc),
               lambda v: torch.cat([v[0].reshape(-1), v[1].reshape(-1)]), _unpack_o),
-    # backward inputs of a row: lse (accumulation dtype), then q, dout and the final out, as bytes
-    "qb": Item(("backward",), "input", "rows", lambda z: z.rows * (3 * z.head_dim * z.elem + z.acc_elem),
-               lambda z, dt, acc: ((z.rows * (3 * z.head_dim * z.elem + z.acc_elem),), torch.uint8),
+    # backward inputs of a row: its final lse and D = rowsum(dout * out) (accumulation dtype), then q and
+    # dout, as bytes
+    "qb": Item(("backward",), "input", "rows", lambda z: z.rows * 2 * (z.head_dim * z.elem + z.acc_elem),
+               lambda z, dt, acc: ((z.rows * 2 * (z.head_dim * z.elem + z.acc_elem),), torch.uint8),
                _pack_qb, _unpack_qb),
     # a partial dq
     "dq": Item(("backward",), "partial", "rows", lambda z: z.rows * z.head_dim * z.acc_elem,
@@ -183,13 +187,13 @@ class _Phase:
         return self.plan.owner[chunk] == self.rank
 
     def _own_input(self, item: str, sl: slice) -> tuple[torch.Tensor, ...]:
-        """Parts of an input item for owned rows ``sl``: q: (q,); kv: (k, v); qb: (q, dout, out, lse)."""
+        """Parts of an input item for owned rows ``sl``: q: (q,); kv: (k, v); qb: (q, dout, lse, delta)."""
         loc = self.local
         if item == "q":
             return (loc["q"][:, sl],)
         if item == "kv":
             return loc["k"][:, sl], loc["v"][:, sl]
-        return loc["q"][:, sl], loc["dout"][:, sl], loc["out"][:, sl], loc["lse"][:, :, sl]
+        return loc["q"][:, sl], loc["dout"][:, sl], loc["lse"][:, :, sl], loc["delta"][:, :, sl]
 
     def _own_acc(self, item: str, chunk: int):
         sl, acc = self._rows(chunk, chunk), self.own_acc
@@ -199,17 +203,29 @@ class _Phase:
             return acc["dq"][:, sl]
         return acc["dkv"][:, :, sl]  # dkv: [2, b, chunk, h_kv, d]
 
+    def _consecutive_owned(self, chunks: tuple[int, ...]) -> bool:
+        return all(self._owned(c) for c in chunks) and list(chunks) == list(range(chunks[0], chunks[-1] + 1))
+
     def _gather(self, item: str, chunks: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """An input item's parts for ``chunks``, each concatenated along its sequence dimension (a view
         of the local tensors when they are consecutive chunks this rank owns)."""
-        if all(self._owned(c) for c in chunks) and list(chunks) == list(range(chunks[0], chunks[-1] + 1)):
+        if self._consecutive_owned(chunks):
             return self._own_input(item, self._rows(chunks[0], chunks[-1]))
         parts = [self._own_input(item, self._rows(c, c)) if self._owned(c) else self._arrive(item, c)
                  for c in chunks]
         if len(parts) == 1:
             return parts[0]
-        return tuple(torch.cat([p[x] for p in parts], 2 if item == "qb" and x == 3 else 1)
+        return tuple(torch.cat([p[x] for p in parts], 2 if item == "qb" and x >= 2 else 1)
                      for x in range(len(parts[0])))
+
+    def _own_out(self, chunks: tuple[int, ...]) -> torch.Tensor | None:
+        """The final out of rows ``chunks`` when this rank owns them all (fused kernel paths take it),
+        else None (fetched rows bring only D)."""
+        if self._consecutive_owned(chunks):
+            return self.local["out"][:, self._rows(chunks[0], chunks[-1])]
+        if not all(self._owned(c) for c in chunks):
+            return None
+        return torch.cat([self.local["out"][:, self._rows(c, c)] for c in chunks], 1)
 
     # ------------------------------------------------------------------ messages
     def _buffer(self, item: str) -> torch.Tensor:
@@ -296,9 +312,10 @@ class _Phase:
             for t, i in enumerate(kn.rows):
                 self._fold("o", i, (out[:, t * n:(t + 1) * n], lse[:, :, t * n:(t + 1) * n]))
             return
-        q_cat, dout_cat, out_cat, lse_cat = self._gather("qb", kn.rows)
+        q_cat, dout_cat, lse_cat, delta_cat = self._gather("qb", kn.rows)
+        out_cat = self._own_out(kn.rows)
         dq, dk, dv = kernels.backward(dout_cat, q_cat, k_cat, v_cat, out_cat, lse_cat, kind, rt.scale, mask,
-                                      rt.backend)
+                                      rt.backend, delta=None if out_cat is not None else delta_cat)
         for t, i in enumerate(kn.rows):
             self._fold("dq", i, dq[:, t * n:(t + 1) * n])
         for t, j in enumerate(kn.cols):
@@ -376,7 +393,9 @@ class UltraSchedule(Schedule):
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)
-        local = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
+        # D = rowsum(dout * out), [b, h, s] like lse: all a fetched row's kernels need of out
+        delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+        local = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "delta": delta}
         _Phase(rt, plan, "backward", local, {"dq": dq, "dkv": dkv}).run()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
