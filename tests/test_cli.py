@@ -79,6 +79,10 @@ SHRINK = {
     "plan": ({"--seq": lambda v: "1024", "--time-budget": lambda v: "1"},
              {"--seq": "1024", "--time-budget": "1", "--heads": "4", "--kv-heads": "2", "--head-dim": "16"}),
     "schedules": ({}, {}),
+    "reproduce ringx": ({"--gcds": lambda v: "8,16", "--batch": lambda v: "32", "--tokens-per-gcd": lambda v: "1024"},
+                        {"--gcds": "8,16", "--batch": "32", "--tokens-per-gcd": "1024"}),
+    "reproduce ultraattn": ({"--seq": lambda v: "2048", "--gpus": lambda v: "8", "--heads": lambda v: "1"},
+                            {"--seq": "2048", "--gpus": "8", "--heads": "1", "--time-budget": "0.5"}),
     "train": ({"--steps": lambda v: "3", "--seq": lambda v: "64", "--nproc": lambda v: "2", "--dp": lambda v: "1",
                "--cp": lambda v: "2", "--eval-every": lambda v: "3", "--config": lambda v: "tiny"},
               {"--steps": "3", "--nproc": "2"}),
@@ -88,8 +92,9 @@ SHRINK = {
 def shrink(argv: list[str]) -> list[str]:
     """A README command at small sizes (outputs stay relative: the test runs in a temporary directory).
     A JSON mask's ``block_size`` and ``window`` shrink with ``--seq``."""
-    command, flags = argv[1], _flags(argv[2:])
-    change, add = SHRINK[command]
+    sub = argv[2:3] if argv[1] == "reproduce" else []  # a command with subcommands: keyed by both
+    command, flags = argv[1], _flags(argv[2 + len(sub):])
+    change, add = SHRINK[" ".join([command, *sub])]
     given = dict(flags)
     out = []
     for flag, value in flags:
@@ -108,7 +113,7 @@ def shrink(argv: list[str]) -> list[str]:
             if key in spec:
                 spec[key] = max(1, spec[key] * int(new_seq) // int(old_seq))
         out = [(f, json.dumps(spec) if f == "--mask" else v) for f, v in out]
-    return [command, *(tok for f, v in out for tok in ((f,) if v is None else (f, v)))]
+    return [command, *sub, *(tok for f, v in out for tok in ((f,) if v is None else (f, v)))]
 
 
 def _slow(argv: list[str]) -> bool:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from . import bench, calibrate, plan, schedules, simulate, train, verify
+from . import bench, calibrate, plan, reproduce, schedules, simulate, train, verify
 
 #: the commands, in the order ``cpattn --help`` lists them
-COMMANDS = (bench, train, calibrate, simulate, verify, plan, schedules)
+COMMANDS = (bench, train, calibrate, simulate, reproduce, verify, plan, schedules)
 
 
 def build_parser() -> argparse.ArgumentParser:
