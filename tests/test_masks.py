@@ -209,6 +209,31 @@ def test_striped_blocks_skip_padding(world):
                 assert int(got.max()) <= 1 and torch.equal(got.bool(), want)
 
 
+@pytest.mark.parametrize("spec", [
+    {"kind": "strided", "block_size": 128, "stride": 3, "local": 2},
+    {"kind": "strided", "block_size": 128, "stride": 4, "local": 1, "causal": False},
+    {"kind": "global_local", "block_size": 128, "global_blocks": 1, "local_blocks": 2},
+    {"kind": "star", "block_size": 256, "sink": 1},
+    {"kind": "streaming", "block_size": 128, "sink": 1, "window": 3},
+    {"kind": "block_table", "block_size": 128, "table": [[1, 0, 0, 0, 0, 0, 0, 0]] + [[1, 2, 0, 0, 0, 0, 0, 0]] * 7},
+])
+@pytest.mark.parametrize("world", [2, 4])
+def test_striped_blocks_of_block_masks_tile_by_cells(spec, world):
+    """Block-sparse masks whose cells hold at least MIN_CELL_ROWS local rows are tiled cell by cell:
+    every allowed pair once, no dense tile unless a cell is PARTIAL, and runs of FULL cells as one."""
+    from cpattn.schedules.stripe_ring import MIN_CELL_ROWS
+    mask, seq = masks.from_spec(spec), 1024
+    assert mask.block_size // world >= MIN_CELL_ROWS
+    for r in range(world):
+        for j in range(world):
+            bl = striped_blocks(mask, seq, world, r, j)
+            qp, kp = torch.arange(r, seq, world), torch.arange(j, seq, world)
+            got = _coverage(bl, len(qp), len(kp))
+            assert int(got.max()) <= 1 and torch.equal(got.bool(), mask.mask_mod(qp[:, None], kp[None, :]))
+            assert all(b.kind != BlockKind.PARTIAL for b in bl)
+            assert all(b.q.stop - b.q.start == mask.block_size // world for b in bl if b.kind == BlockKind.FULL)
+
+
 @settings(max_examples=30, deadline=None)
 @given(spec=SPECS_WITH_COMBOS, world=st.integers(1, 4), cut=st.integers(0, 7), tile=st.sampled_from([5, 512]))
 def test_striped_blocks_of_any_mask_cover_exactly_the_allowed_pairs(spec, world, cut, tile):

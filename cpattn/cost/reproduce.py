@@ -51,7 +51,7 @@ ULTRA_TOPOLOGY = "dgx-h100"
 ULTRA_PATTERNS = ("strided", "global_local", "star", "streaming")
 ULTRA_BLOCKS = 16
 ULTRA_RING_FAMILY = ("ring", "zigzag_ring", "stripe_ring")
-ULTRA_BASELINES = ("ring", "zigzag_ring", "allgather")
+ULTRA_BASELINES = ("ring", "zigzag_ring", "stripe_ring", "allgather")
 
 
 def ringx_variants(mask: str) -> list[str]:

@@ -12,6 +12,12 @@ causal one there, e.g. inside one long document) gives the striped causal rule o
 tiles are halved down to ``PARTIAL_TILE`` local rows and then run the masked kernel on the tile's
 dense mask, evaluated at the tokens' own positions. A window or many short documents therefore cost a
 dense mask per tile near the diagonal: the striped layout balances causal work, not local masks.
+
+Block-sparse masks (:data:`BLOCK_MASKS`: one kind per cell of ``block_size`` tokens) whose blocks
+split evenly over the ranks are tiled by their cells instead: the ``block_size / P`` local rows of a
+rank that fall in one block form one tile, whose kind is the cell's (the same for every rank pair,
+classified once per mask), and a row of consecutive FULL cells is one kernel. So no tile straddles
+two cells and nothing runs densely unless a cell itself is PARTIAL.
 """
 
 from __future__ import annotations
@@ -23,13 +29,25 @@ import torch
 from .. import blocks
 from ..blocks import PARTIAL_TILE, Block
 from ..layout import Layout
-from ..masks import BlockKind, CausalMask, FullMask, Mask
+from ..masks import BlockKind, BlockTableMask, CausalMask, FullMask, GlobalLocalMask, Mask, StreamingMask, StridedMask
 from ..pairs import PairWork
 from ..steps import Kernel, Problem, Work, work
 from .base import Runtime
 from .ring import RingSchedule, ring_backward, ring_forward
 
 STRIPED = Layout("striped")
+#: masks with one kind per cell of ``block_size`` x ``block_size`` tokens (CAUSAL on the diagonal when causal)
+BLOCK_MASKS = (StreamingMask, GlobalLocalMask, StridedMask, BlockTableMask)
+#: fewest local rows per cell for the cell tiling (below it, halving into bigger dense tiles is cheaper)
+MIN_CELL_ROWS = 32
+
+
+def _cell_kinds_uncached(mask: Mask, block: int, cells: int) -> tuple[tuple[BlockKind, ...], ...]:
+    return tuple(tuple(mask.classify(qb * block, (qb + 1) * block, kb * block, (kb + 1) * block)
+                       for kb in range(cells)) for qb in range(cells))
+
+
+_cell_kinds = lru_cache(maxsize=16)(_cell_kinds_uncached)
 
 
 def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: int, valid_len: int | None = None,
@@ -51,6 +69,14 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
         elif bool(allowed.any()):
             out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, allowed.contiguous()))
 
+    def causal(a: int, b: int, c: int, d: int) -> None:
+        """A square tile whose global span is causal: global key k - c P <= query q - a P means local key
+        <= local query when kv_rank <= q_rank, strictly below it otherwise (relative to the tile)."""
+        if kv_rank <= q_rank:
+            out.append(Block(slice(a, b), slice(c, d), BlockKind.CAUSAL))
+        elif b - a > 1:
+            out.append(Block(slice(a + 1, b), slice(c, d - 1), BlockKind.CAUSAL))
+
     def split(a: int, b: int, c: int, d: int) -> None:
         """Local rows [a, b) x local columns [c, d), inside the real tokens of both ranks."""
         kind = mask.classify(a * p, min(b * p, valid), c * p, min(d * p, valid))
@@ -60,12 +86,7 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
             out.append(Block(slice(a, b), slice(c, d), BlockKind.FULL))
             return
         if kind == BlockKind.CAUSAL and b - a == d - c:
-            # global key k - c P <= query q - a P: local key <= local query when kv_rank <= q_rank,
-            # strictly below it otherwise (the striped causal rule, relative to the tile)
-            if kv_rank <= q_rank:
-                out.append(Block(slice(a, b), slice(c, d), BlockKind.CAUSAL))
-            elif b - a > 1:
-                out.append(Block(slice(a + 1, b), slice(c, d - 1), BlockKind.CAUSAL))
+            causal(a, b, c, d)
             return
         if max(b - a, d - c) <= tile:
             dense(a, b, c, d)
@@ -76,6 +97,27 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
             for c0, c1 in cols:
                 split(r0, r1, c0, c1)
 
+    block = mask.block_size if isinstance(mask, BLOCK_MASKS) else 0
+    if block and block % p == 0 and block // p >= MIN_CELL_ROWS and valid == seq_len and seq_len % block == 0:
+        cells, n = seq_len // block, block // p
+        try:
+            kinds = _cell_kinds(mask, block, cells)
+        except TypeError:  # an unhashable mask
+            kinds = _cell_kinds_uncached(mask, block, cells)
+        for qb, row in enumerate(kinds):
+            run = None  # first cell of the current row of FULL cells
+            for kb, kind in enumerate((*row, BlockKind.EMPTY)):  # a sentinel closes the last run
+                if kind == BlockKind.FULL:
+                    run = kb if run is None else run
+                    continue
+                if run is not None:
+                    out.append(Block(slice(qb * n, (qb + 1) * n), slice(run * n, kb * n), BlockKind.FULL))
+                    run = None
+                if kb < cells and kind == BlockKind.CAUSAL:
+                    causal(qb * n, (qb + 1) * n, kb * n, (kb + 1) * n)
+                elif kb < cells and kind == BlockKind.PARTIAL:
+                    split(qb * n, (qb + 1) * n, kb * n, (kb + 1) * n)
+        return sorted(out, key=lambda blk: (blk.q.start, blk.kv.start))
     q_real, kv_real = len(range(q_rank, valid, p)), len(range(kv_rank, valid, p))
     if q_real and kv_real:
         split(0, q_real, 0, kv_real)
