@@ -189,8 +189,11 @@ class Topology:
     ``overlap``: fraction of the communication a schedule overlaps with compute that actually hides
     (1 on GPUs with separate streams; lower where compute and communication share cores).
     ``op_links``: measured per-op links (``(op, Link)`` pairs, from calibration) that replace ``intra``
-    for that op inside a node. ``algorithm``: the collective algorithms (:func:`parse_algorithm`:
-    ``"auto"``, the faster of ring and tree per op and size as NCCL/RCCL's tuners pick; ``"ring"``;
+    for that op inside a node. ``cores``: 0 when every rank has its own device; > 0 when the ranks
+    share that many CPU cores (local runs), each using at most ``threads_per_rank`` of them, so the
+    device's rates hold when every rank computes and a rank with fewer peers busy runs faster (the
+    cost model times such steps by processor sharing). ``algorithm``: the collective algorithms
+    (:func:`parse_algorithm`: ``"auto"``, what NCCL/RCCL's tuners pick per op and size; ``"ring"``;
     ``"tree"``; or per op, ``"all_reduce:tree;broadcast:ring"``), like ``NCCL_ALGO``. ``name``: the
     preset it came from.
     """
@@ -204,6 +207,8 @@ class Topology:
     overlap: float = 1.0
     op_links: tuple[tuple[str, Link], ...] = ()
     algorithm: str = "auto"
+    cores: float = 0.0
+    threads_per_rank: int = 1
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +219,14 @@ class Topology:
         if not (0.0 <= self.overlap <= 1.0):
             raise ValueError(f"Topology.overlap must be in [0, 1], got {self.overlap!r}")
         parse_algorithm(self.algorithm)
+        if not (math.isfinite(self.cores) and self.cores >= 0):
+            raise ValueError(f"Topology.cores must be >= 0 (0: a device per rank), got {self.cores!r}")
+        if not isinstance(self.threads_per_rank, int) or self.threads_per_rank < 1:
+            raise ValueError(f"Topology.threads_per_rank must be a positive int, got {self.threads_per_rank!r}")
+
+    def core_share(self, busy: int) -> float:
+        """Cores each of ``busy`` computing ranks gets when the ranks share ``cores`` (see the class)."""
+        return min(float(self.threads_per_rank), self.cores / busy)
 
     def algorithm_for(self, op: str) -> str:
         """``"ring"``, ``"tree"`` or ``"auto"`` for collective ``op`` (all_reduce, broadcast, reduce)."""

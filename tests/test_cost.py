@@ -636,3 +636,25 @@ def test_auto_with_a_nominal_shape_does_not_refuse_for_memory():
     assert name in over and peaks[name] == min(peaks.values()), (name, peaks)
     assert f"{name} needs the least" in why
     schedules.get(name).check_mask(big.mask)
+
+
+def test_shared_cores_time_steps_by_processor_sharing():
+    """Ranks sharing CPU cores: a balanced step takes the device's time, an unbalanced one less than its
+    busiest rank at the all-busy share, because idle ranks leave their cores to the busy ones."""
+    from cpattn.cost.estimate import shared_compute
+    shared = Topology(1, 4, cores=2.0, threads_per_rank=1)
+    assert shared_compute([(1.0, 4)], shared) == pytest.approx(1.0)
+    assert shared_compute([(2.0, 1), (0.0, 3)], shared) == pytest.approx(1.0)  # alone: a whole core, not half
+    assert shared_compute([(2.0, 3), (0.0, 1)], shared) == pytest.approx(1.5)  # 3 ranks on 2 cores
+    assert shared_compute([(2.0, 1), (1.0, 3)], shared) == pytest.approx(1.5)  # 1.0 all busy, then 0.5 alone
+    assert shared_compute([(2.0, 1), (1.0, 3)], Topology(1, 4)) == 2.0  # a device per rank: the busiest
+    assert shared_compute([], shared) == 0.0
+    two_threads = Topology(1, 2, cores=2.0, threads_per_rank=1)
+    assert shared_compute([(2.0, 1), (0.0, 1)], two_threads) == 2.0  # one thread per rank: no speed-up alone
+    with pytest.raises(ValueError, match="cores"):
+        Topology(1, 2, cores=-1.0)
+    with pytest.raises(ValueError, match="threads_per_rank"):
+        Topology(1, 2, cores=2.0, threads_per_rank=0)
+    local4 = presets.local(4, _profile(), cores=2)
+    assert (local4.cores, local4.threads_per_rank) == (2.0, 1)
+    assert presets.local(1, _profile(), cores=2).threads_per_rank == 2

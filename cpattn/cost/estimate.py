@@ -3,6 +3,7 @@
 The schedule declares its steps (``Schedule.steps``); each step is timed by its busiest rank:
 
     compute  = max over the step's per-rank Work of  sum(calls * Device.kernel_time(kernel))
+               (ranks sharing CPU cores: processor sharing of those times, :func:`shared_compute`)
     comm     = sum of op_time(op) over the step's ops (they share the links), split into the part in
                flight (m) and the part that runs at the wait (w; the second level of a hierarchical
                collective, see ``collectives.op_times``)
@@ -229,15 +230,16 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
     for ph in split_phase(phase):
         steps = sched.steps(problem, ph, topology)
         for st in steps:
-            c = 0.0
-            for w, _ranks in st.work:
+            per_rank = []
+            for w, ranks in st.work:
                 t = 0.0
                 for kernel, calls in w:
                     key = (kernel, ph)
                     if key not in times:
                         times[key] = device.kernel_time(kernel, problem, ph)
                     t += calls * times[key]
-                c = max(c, t)
+                per_rank.append((t, ranks))
+            c = shared_compute(per_rank, topology)
             split = [op_times(op, topology) for op in st.comm]
             m, blocking = sum(t for t, _ in split), sum(t for _, t in split)
             total += c + m - (topology.overlap * min(c, m) if st.overlap else 0.0) + blocking
@@ -248,6 +250,24 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
         peak = max(peak, resident_bytes(problem, ph) + max((st.live_bytes for st in steps), default=0))
     return Estimate(total, compute, comm, total - compute, sent, peak, sched.name, phase, problem.flops(phase),
                     wired)
+
+
+def shared_compute(per_rank: list[tuple[float, int]], topology: Topology) -> float:
+    """Compute time of a step whose ranks need ``per_rank`` (``(seconds, ranks)``: seconds at the
+    device's rates, which hold when every rank computes). With a device per rank it is the busiest
+    rank's. When the ranks share ``topology.cores`` it is processor sharing: the busy ranks split the
+    cores (each at most ``threads_per_rank``), and as ranks finish the others speed up."""
+    busiest = max((t for t, _ in per_rank), default=0.0)
+    if topology.cores <= 0 or busiest <= 0:
+        return busiest
+    full = topology.core_share(topology.world)  # cores per rank that the device's rates assume
+    elapsed = done = 0.0  # seconds so far; core-seconds each still-busy rank has done
+    busy = sum(n for t, n in per_rank if t > 0)
+    for t, n in sorted((t, n) for t, n in per_rank if t > 0):
+        elapsed += (t * full - done) / topology.core_share(busy)
+        done = t * full
+        busy -= n
+    return elapsed
 
 
 #: how :func:`rank_schedules` words an exclusion for memory (``choose`` recognises it)
@@ -324,4 +344,4 @@ def choose(problem: Problem, topology: Topology, names: list[str] | None = None,
 
 __all__ = ["Estimate", "busiest_bytes_sent", "busiest_wire_sent", "check_supports", "choose", "declares_steps",
            "default_candidates", "estimable", "estimate", "plan_estimate", "rank_schedules", "resident_bytes",
-           "wire_by_rank"]
+           "shared_compute", "wire_by_rank"]

@@ -106,7 +106,8 @@ def local(world: int, profile: Profile | None = None, threads_per_rank: int | No
     """``world`` ranks on this machine, from ``profile`` (or the conservative defaults without one).
     ``nodes`` > 1 emulates that many nodes of ``world // nodes`` ranks each (as gloo runs do): the
     same machine's figures, its loopback link standing in for both the intra- and inter-node links.
-    Collectives run :data:`LOCAL_ALGORITHM`, the algorithms calibration fits its links with.
+    Collectives run :data:`LOCAL_ALGORITHM`, the algorithms calibration fits its links with. The ranks
+    share ``cores`` (``Topology.cores``): a step in which some ranks idle runs the others faster.
 
     Measured kernel rates are rescaled to the cores each rank gets: ``min(threads_per_rank, cores /
     world)`` against the same figure at calibration time (ranks share the cores; oversubscribed ranks
@@ -135,7 +136,8 @@ def local(world: int, profile: Profile | None = None, threads_per_rank: int | No
                     table=profile.kernels).scaled(share_now / share_then)
     intra = profile.links["sendrecv"]
     return Topology(**shape, intra=intra, inter=intra, device=device, overlap=profile.overlap,
-                    op_links=tuple(sorted(profile.links.items())), algorithm=LOCAL_ALGORITHM, name=f"local{where}")
+                    op_links=tuple(sorted(profile.links.items())), algorithm=LOCAL_ALGORITHM, cores=float(cores),
+                    threads_per_rank=threads, name=f"local{where}")
 
 
 def preset(name: str, world: int, profile: Profile | None = None, algorithm: str | None = None) -> Topology:
