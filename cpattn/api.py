@@ -20,11 +20,12 @@ import torch.distributed as dist
 from . import agree, cost, kernels, planner, schedules
 from . import layout as layout_mod
 from .comm import Communicator, DeviceMesh
+from .cost import collectives
 from .cost.estimate import plan_estimate
 from .cost.profile import ProfileError
 from .masks import Mask, causal, full, resolve, sliding_window
 from .schedules.base import Attention, BoundedCache, Runtime, Schedule
-from .steps import Problem
+from .steps import CommOp, Problem
 from .topology import Topology
 from .version import __version__
 
@@ -137,7 +138,8 @@ class ContextParallel:
             raise error
         if self.schedule.hierarchical:  # rail and node groups now (collectively), never at run time
             self.comm.setup_levels(self.topology)
-        self.comm.set_topology(self.topology)  # the collective algorithms its wire bytes count with
+        wire_topology = self.topology or Topology(1, self.world_size)  # the algorithms wire bytes count with
+        self.comm.set_topology(self.topology, lambda op, n: collectives.algorithm(CommOp(op, n), wire_topology))
         self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
                                 topology=self.topology, valid_len=seq_len)
         self._plans = BoundedCache(PLANS_KEPT)

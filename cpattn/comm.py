@@ -18,8 +18,8 @@ communicator, the schedules' ``volume()`` (derived from their ``steps()``) and t
 | all_to_all of N bytes in per rank | (P-1) N / P | (P-1) N / P |
 
 Each op kind also counts ``wire_sent``: the bytes this rank sends on the wire under the algorithm the
-cost model picks for that op and size on the communicator's topology (:meth:`Communicator.set_topology`;
-without one, one node of ``world_size`` ranks; ``cpattn.cost.collectives.algorithm``), counting what
+cost model picks for that op and size on the communicator's topology (:meth:`Communicator.set_topology`:
+``ContextParallel`` gives it its topology and ``cpattn.cost.collectives.algorithm``), counting what
 it forwards for others (:func:`cpattn.steps.wire`): a ring broadcast sends N from every rank but the
 chain's last, a tree one about N per rank, an all_reduce 2 (P-1) N / P as a ring and about 2 N as a
 tree; the other ops send their payload. ``stats()`` gives it in ``"total"``, and per op with
@@ -40,13 +40,13 @@ from __future__ import annotations
 import copy
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import trace
-from .steps import TREE_OPS, CommOp, payload
+from .steps import TREE_OPS, payload
 from .steps import wire as wire_bytes
 from .topology import Topology
 
@@ -162,6 +162,7 @@ class Communicator:
             self._global_ranks = dist.get_process_group_ranks(self.group)
         self._stats: dict[str, dict[str, int]] = defaultdict(_new_counts)
         self._topology: Topology | None = None
+        self._chooser: Callable[[str, int], str] | None = None
         self._algorithms: dict[tuple[str, int], str] = {}  # (op, bytes) -> the algorithm wire_sent counts
 
     def _from_mesh(self, mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -199,26 +200,32 @@ class Communicator:
             raise ValueError(f"group rank {group_rank} outside [0, {self.world_size})")
         return self._global_ranks[group_rank]
 
-    def set_topology(self, topology: Topology | None) -> None:
+    def set_topology(self, topology: Topology | None,
+                     chooser: Callable[[str, int], str] | None = None) -> None:
         """The topology whose collective algorithms ``wire_sent`` counts with (None: one node of
-        ``world_size`` ranks). ``ContextParallel`` sets its own at construction."""
+        ``world_size`` ranks), and ``chooser(op, nbytes)``, which resolves them ("ring" or "tree"):
+        ``ContextParallel`` passes the cost model's choice (``cpattn.cost.collectives.algorithm``), set
+        at construction. Without a chooser, the topology's named algorithm counts, and "auto" counts as
+        the ring."""
         if topology is not None and topology.world != self.world_size:
             raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
                              f"but the group has {self.world_size}")
         self._topology = topology
+        self._chooser = chooser
         self._algorithms = {}
 
     def algorithm(self, op: str, nbytes: int) -> str:
-        """The algorithm ``wire_sent`` counts a broadcast, reduce or all_reduce of ``nbytes`` with: the
-        cost model's choice on this communicator's topology ("ring" or "tree"); "ring" for other ops."""
+        """The algorithm ``wire_sent`` counts a broadcast, reduce or all_reduce of ``nbytes`` with (see
+        :meth:`set_topology`); "ring" for other ops."""
         if op not in TREE_OPS:
             return "ring"
         key = (op, nbytes)
         if key not in self._algorithms:
-            from .cost.collectives import algorithm  # cpattn.cost imports the schedules, which import this module
-
-            topology = self._topology or Topology(1, self.world_size)
-            self._algorithms[key] = algorithm(CommOp(op, nbytes), topology)
+            if self._chooser is not None:
+                self._algorithms[key] = self._chooser(op, nbytes)
+            else:
+                named = (self._topology or Topology(1, self.world_size)).algorithm_for(op)
+                self._algorithms[key] = "ring" if named == "auto" else named
         return self._algorithms[key]
 
     def _count(self, op: str, nbytes: int, root: int = 0) -> tuple[str, int, int]:

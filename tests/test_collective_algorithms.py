@@ -245,8 +245,8 @@ def test_ring_broadcast_wire_at_scale():
 def collectives_wire(algo: str | None) -> dict:
     """A broadcast from 1, a reduce onto 2 and an all-reduce of 4,000 bytes; this rank's stats."""
     comm = Communicator()
-    if algo is not None:
-        comm.set_topology(Topology(1, comm.world_size, algorithm=algo))
+    topology = Topology(1, comm.world_size, algorithm=algo or "auto")
+    comm.set_topology(topology, lambda op, n: algorithm(CommOp(op, n), topology))  # as ContextParallel does
     t = torch.ones(1000)
     comm.broadcast(t, src=1)
     comm.reduce(t, dst=2)

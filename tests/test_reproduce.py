@@ -19,9 +19,14 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch):
-    """Run in ``tmp_path`` with a private plan cache."""
+    """Run in ``tmp_path`` with a private plan cache, and no plan remembered in this process (another
+    test may have estimated the same problem)."""
+    import importlib
+
+    estimate_module = importlib.import_module("cpattn.cost.estimate")  # the package's name is the function
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CPATTN_CACHE_DIR", str(tmp_path / "plans"))
+    estimate_module._planned_cached.cache_clear()
     return tmp_path
 
 
