@@ -328,6 +328,11 @@ def test_simulate_algorithm_flag_and_wire_column(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NCCL_ALGO", "Ring")
     assert cli.main([*base, "--json", "env.json"]) == 0
     assert json.loads((tmp_path / "env.json").read_text())[1]["estimate"] == rows["ring"]["ringx1"]
+    monkeypatch.setenv("NCCL_ALGO", "Tree")  # as in NCCL: the all-reduce only; broadcasts stay rings
+    assert cli.main([*base, "--json", "env_tree.json"]) == 0
+    assert cli.main([*base, "--algorithm", "all_reduce:tree", "--json", "ar_tree.json"]) == 0
+    assert json.loads((tmp_path / "env_tree.json").read_text()) == json.loads((tmp_path / "ar_tree.json").read_text())
+    assert json.loads((tmp_path / "env_tree.json").read_text())[1]["estimate"] != rows["tree"]["ringx1"]
     monkeypatch.setenv("NCCL_ALGO", "Tree,Ring")
     assert cli.main(base) == 2
     assert "NCCL_ALGO" in capsys.readouterr().err

@@ -43,9 +43,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="model mode: the MFU to compare with (default 0.38, RingX's Llama3-8B at 1M tokens)")
     m.add_argument("--profile", help="calibration profile for --topology local")
     m.add_argument("--algorithm", type=_algorithm, default=None,
-                   help="collective algorithms, as NCCL_ALGO: auto (the faster per op and size), ring, tree, or per "
-                        "op, e.g. 'all_reduce:tree;broadcast:ring' (default: $NCCL_ALGO if set, else auto; local: "
-                        "the algorithms its calibration fitted)")
+                   help="collective algorithms: auto (what NCCL/RCCL pick per op and size), ring, tree (for "
+                        "all-reduce, broadcast and reduce), or per op, e.g. 'all_reduce:tree;broadcast:ring' (default: "
+                        "$NCCL_ALGO if set, read as NCCL does: a bare ring or tree sets the all-reduce only; else "
+                        "auto; local: the algorithms its calibration fitted)")
     m.add_argument("--json", help="also write the rows as JSON to this path")
     m.add_argument("--plot", default="simulate.png", help="scaling plot PNG (default simulate.png; '' for none)")
     m.set_defaults(func=run)
@@ -65,7 +66,9 @@ def _algorithm(text: str) -> str:
 
 def algorithm_choice(given: str | None) -> str | None:
     """The collective algorithms to simulate with: ``--algorithm``, else ``$NCCL_ALGO`` when set (it must
-    be a spec ``--algorithm`` accepts), else None (the topology's own: auto, or local's calibrated ones)."""
+    be a spec ``--algorithm`` accepts; a bare "ring" or "tree" sets the all-reduce only, as in NCCL and
+    RCCL, whose broadcast and reduce are always rings), else None (the topology's own: auto, or local's
+    calibrated ones)."""
     import os
 
     from ..topology import parse_algorithm
@@ -80,7 +83,8 @@ def algorithm_choice(given: str | None) -> str | None:
     except ValueError as exc:
         raise ValueError(f"NCCL_ALGO={env!r} sets the default of --algorithm but is not understood ({exc}); pass "
                          "--algorithm explicitly, e.g. --algorithm auto") from None
-    return env
+    bare = env.strip().lower()
+    return f"all_reduce:{bare}" if bare in ("ring", "tree") else env
 
 
 def run(args) -> int:
