@@ -107,6 +107,11 @@ def test_simulate_model_mode_uses_the_presets_matmul_efficiency(tmp_path, capsys
     assert cli.main([*base, "--matmul-efficiency", "0.5"]) == 0
     (row,) = json.loads(out.read_text())
     assert row["dense"] == pytest.approx(_estimate(cp=16, dp=4, eff=0.5).dense)
+    assert cli.main([*base, "--algorithm", "tree"]) == 0  # the collective algorithms reach the gradient sync
+    (row,) = json.loads(out.read_text())
+    tree = dp_group(preset("frontier", 64, algorithm="tree"), 16)
+    assert row["grad_sync"] == pytest.approx(_estimate(cp=16, dp=4, dp_topology=tree).grad_sync)
+    assert row["grad_sync"] != pytest.approx(expect.grad_sync)
 
 
 def test_bad_inputs():

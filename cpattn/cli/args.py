@@ -18,6 +18,18 @@ T = TypeVar("T")
 _SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
+# ----------------------------------------------------------------------------------- collectives
+def algorithm(text: str) -> str:
+    """``type=`` for ``--algorithm``: a collective algorithm spec (``cpattn.topology.parse_algorithm``)."""
+    from ..topology import parse_algorithm
+
+    try:
+        parse_algorithm(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 # ----------------------------------------------------------------------------------- lists
 def csv(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
     """A ``type=`` for a comma-separated list of ``kind`` (``"2,4"`` -> ``[2, 4]``; empty items skipped)."""

@@ -39,7 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     x.add_argument("--head-dim", type=a.csv(int), default=[128], help="head dim (list)")
     x.add_argument("--dtype", default="bfloat16", choices=a.dtypes())
     x.add_argument("--phase", default="forward+backward", choices=["forward", "backward", "forward+backward"])
-    x.add_argument("--algorithm", default=r.RINGX_ALGORITHM,
+    x.add_argument("--algorithm", type=a.algorithm, default=r.RINGX_ALGORITHM,
                    help="collective algorithms, as NCCL_ALGO: auto, ring, tree, or per op "
                         "'all_reduce:tree;broadcast:ring' (default: a tree all-reduce and ring broadcasts and reduces, "
                         "what NCCL_ALGO=Tree gives on NCCL/RCCL, as the RingX release set)")
@@ -117,7 +117,6 @@ def run_ringx(args) -> int:
     if not gcds:
         raise ValueError("--gcds: give at least one GCD count")
     gap_gcds = [max(gcds)] if args.gap_gcds is None else sorted(set(args.gap_gcds))
-    r.ringx_topology(gcds[0], args.algorithm)  # a bad --algorithm fails here, before the grid
 
     grid = list(itertools.product(masks, models, shapes, gcds))
     n_gaps = sum(len(r.ringx_variants(m)) for m in masks) * len(models) * len(shapes) * len(gap_gcds)

@@ -42,7 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--reference-mfu", type=float, default=0.38,
                    help="model mode: the MFU to compare with (default 0.38, RingX's Llama3-8B at 1M tokens)")
     m.add_argument("--profile", help="calibration profile for --topology local")
-    m.add_argument("--algorithm", type=_algorithm, default=None,
+    m.add_argument("--algorithm", type=a.algorithm, default=None,
                    help="collective algorithms: auto (what NCCL/RCCL pick per op and size), ring, tree (for "
                         "all-reduce, broadcast and reduce), or per op, e.g. 'all_reduce:tree;broadcast:ring' (default: "
                         "$NCCL_ALGO if set, read as NCCL does: a bare ring or tree sets the all-reduce only; else "
@@ -51,17 +51,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--plot", default="simulate.png", help="scaling plot PNG (default simulate.png; '' for none)")
     m.set_defaults(func=run)
     return m
-
-
-def _algorithm(text: str) -> str:
-    """``type=`` for ``--algorithm``: a spec ``cpattn.topology.parse_algorithm`` accepts."""
-    from ..topology import parse_algorithm
-
-    try:
-        parse_algorithm(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def algorithm_choice(given: str | None) -> str | None:
@@ -184,7 +173,7 @@ def run(args) -> int:
 def run_model(args) -> int:
     """Model-level mode: one training step of ``--model`` at ``--seq`` tokens per replica on ``--cp`` x
     ``--dp`` devices of the topology, per schedule (``cpattn.cost.training``)."""
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     from rich.table import Table
 
@@ -213,9 +202,15 @@ def run_model(args) -> int:
     efficiency = args.matmul_efficiency
     if efficiency is None:
         efficiency = MATMUL_EFFICIENCY.get(preset, DEFAULT_MATMUL_EFFICIENCY)
-    topo = args.topology.build(args.cp, a.load_profile(args.profile) if preset == "local" else None)
+    algo = algorithm_choice(args.algorithm)
+
+    def build(world: int, profile=None):
+        built = args.topology.build(world, profile)
+        return built if algo is None else replace(built, algorithm=algo)
+
+    topo = build(args.cp, a.load_profile(args.profile) if preset == "local" else None)
     # the gradient all-reduce's group on the whole machine (a preset); else each replica on nodes of its own
-    dp_topo = dp_group(args.topology.build(args.cp * args.dp), args.cp) if preset in MATMUL_PEAK else None
+    dp_topo = dp_group(build(args.cp * args.dp), args.cp) if preset in MATMUL_PEAK else None
     names = args.schedules or [n for n in cost.default_candidates(mask) if cost.estimable(n)]
     rows, skipped = [], []
     for name in names:
