@@ -392,6 +392,13 @@ def kernel_for(q: torch.Tensor, kind: BlockKind, backend: str = "auto", kv_len: 
     return choose_kernel(q.device.type, q.dtype, q.shape[3], kind, available_kernels(q.device), backend, kv_len)
 
 
+def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``D = rowsum(dout * out)`` per row and head, ``[b, h, s_q]`` in the accumulation dtype: all of the
+    row's final ``out`` that a backward uses (pass it as ``backward(..., out=None, delta=D)``)."""
+    acc = acc_dtype(dout.dtype)
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+
+
 def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """A stand-in for ``out`` (``dout``'s shape and dtype) whose rowsum with ``dout`` is ``delta`` ([b, h,
     s_q]): ``dout * D / rowsum(dout^2)`` per row and head (0 where ``dout`` is 0, where D is 0 too). A

@@ -21,8 +21,9 @@ A chunk's accumulator on its owner is a view of the rank's output, so when all p
 merged the owner holds the exact result. Backward, a row's remote kernels get q, dout, its final lse
 and ``D = rowsum(dout * out)`` (one float per row and head, computed once on the owner) from the
 owner: with the final lse and D, per-block gradients add up exactly, and D is all of ``out`` that the
-gradients use. A kernel whose rows this rank owns passes its local ``out`` (fused kernel paths); one
-with a fetched row passes D (``kernels.backward(..., out=None, delta=D)``, the ``math`` path). Only
+gradients use. A kernel whose rows this rank owns passes its local ``out``; one with a fetched row
+passes D (``kernels.backward(..., out=None, delta=D)``: ``math`` takes it as is, a fused path a
+stand-in ``out`` with the same rowsum). Only
 key/value heads travel (GQA). The plan's validation guarantees the order cannot deadlock and messages
 between two ranks are posted in the same order on both sides.
 
@@ -393,8 +394,7 @@ class UltraSchedule(Schedule):
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)
-        # D = rowsum(dout * out), [b, h, s] like lse: all a fetched row's kernels need of out
-        delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+        delta = kernels.row_delta(dout, out)  # [b, h, s] like lse: all a fetched row's kernels need of out
         local = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "delta": delta}
         _Phase(rt, plan, "backward", local, {"dq": dq, "dkv": dkv}).run()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
