@@ -12,8 +12,9 @@ plan order:
 - ``recv``: post an asynchronous receive (one call per message, so each can be waited on alone);
 - ``send``: post an asynchronous send (consecutive sends go in one batched call); an input that this
   rank relays is sent as it arrived, a partial result after every contribution to it was folded in;
-- ``compute``: wait for its inputs, run one kernel call (fused rectangle, causal square or partial
-  cell) and fold its output into the per-chunk accumulators: lse merge of (out, lse) forward, float32
+- ``compute``: wait for its inputs, run one kernel call (fused rectangle or causal square; a partial
+  cell runs the mask's own cover of it, ``cpattn.blocks.rectangles``, its equal pieces stacked as
+  ``attend`` stacks them) and fold its output into the per-chunk accumulators: lse merge of (out, lse) forward, float32
   sums of dq and of packed dk/dv backward;
 - ``merge``: wait for a partial result and fold it in (pairwise, as partials arrive).
 
@@ -41,12 +42,13 @@ from typing import Any
 
 import torch
 
+from .. import blocks as blocks_mod
 from .. import kernels
 from ..comm import Communicator
 from ..kernels import acc_dtype
 from ..masks import BlockKind
 from ..merge import merge_into
-from .base import Runtime, Schedule
+from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
 
 TAGS = {"forward": 0, "backward": 1}
 
@@ -305,39 +307,44 @@ class _Phase:
     def compute(self, k: int) -> None:
         kn, rt, n = self.ph.kernels[k], self.rt, self.chunk
         kind = BlockKind(kn.kind)
-        mask = self._dense(kn.rows[0], kn.cols[0]) if kind == BlockKind.PARTIAL else None
         k_cat, v_cat = self._gather("kv", kn.cols)
+        cover = self._cover(kn.rows[0], kn.cols[0]) if kind == BlockKind.PARTIAL else None
         if self.phase == "forward":
             (q_cat,) = self._gather("q", kn.rows)
-            out, lse = kernels.forward(q_cat, k_cat, v_cat, kind, rt.scale, mask, rt.backend)
+            if cover is None:
+                out, lse = kernels.forward(q_cat, k_cat, v_cat, kind, rt.scale, None, rt.backend)
+            else:
+                out, lse = new_accumulators(q_cat)
+                attend(rt, q_cat, k_cat, v_cat, cover, out, lse)
             for t, i in enumerate(kn.rows):
                 self._fold("o", i, (out[:, t * n:(t + 1) * n], lse[:, :, t * n:(t + 1) * n]))
             return
         q_cat, dout_cat, lse_cat, delta_cat = self._gather("qb", kn.rows)
         out_cat = self._own_out(kn.rows)
-        dq, dk, dv = kernels.backward(dout_cat, q_cat, k_cat, v_cat, out_cat, lse_cat, kind, rt.scale, mask,
-                                      rt.backend, delta=None if out_cat is not None else delta_cat)
+        if cover is None:
+            dq, dk, dv = kernels.backward(dout_cat, q_cat, k_cat, v_cat, out_cat, lse_cat, kind, rt.scale, None,
+                                          rt.backend, delta=None if out_cat is not None else delta_cat)
+        else:
+            dq = torch.zeros(q_cat.shape, dtype=self.acc, device=self.device)
+            dk = torch.zeros(k_cat.shape, dtype=self.acc, device=self.device)
+            dv = torch.zeros(v_cat.shape, dtype=self.acc, device=self.device)
+            if out_cat is None:  # fetched rows: the stand-in out whose rowsum with dout is D
+                out_cat = kernels.out_for_delta(dout_cat, delta_cat)
+            attend_backward(rt, dout_cat, q_cat, k_cat, v_cat, out_cat, lse_cat, cover, dq, dk, dv)
         for t, i in enumerate(kn.rows):
             self._fold("dq", i, dq[:, t * n:(t + 1) * n])
         for t, j in enumerate(kn.cols):
             self._fold("dkv", j, (dk[:, t * n:(t + 1) * n], dv[:, t * n:(t + 1) * n]))
 
-    def _dense(self, i: int, j: int) -> torch.Tensor:
-        """Boolean mask of cell (i, j), assembled from the original token ranges of its chunks (the plan
-        may hold the sequence reordered); padding rows and columns (positions >= valid_len) attend
-        nothing."""
-        n, valid = self.chunk, self.plan.key["valid_len"]
-        allowed = torch.zeros(n, n, dtype=torch.bool)
-        row = 0
-        for q0, q1 in self.plan.source_ranges(i):
-            col = 0
-            for k0, k1 in self.plan.source_ranges(j):
-                qe, ke = min(q1, valid), min(k1, valid)
-                if qe > q0 and ke > k0:
-                    allowed[row:row + qe - q0, col:col + ke - k0] = self.rt.mask.dense(q0, qe, k0, ke)
-                col += k1 - k0
-            row += q1 - q0
-        return allowed.to(self.device)
+    def _cover(self, i: int, j: int) -> list[blocks_mod.Block]:
+        """The blocks of PARTIAL cell (i, j): ``cpattn.blocks.rectangles`` over the original token ranges
+        of its chunks (the plan may hold the sequence reordered), so the mask's own FULL and CAUSAL
+        pieces run stacked (``attend``) and only what has no structure runs densely. Padding rows and
+        columns (positions >= valid_len) are never covered. Cached with the ContextParallel."""
+        rows, cols = tuple(self.plan.source_ranges(i)), tuple(self.plan.source_ranges(j))
+        valid = self.plan.key["valid_len"]
+        return self.rt.block_cache.get(("ultra cell", rows, cols, valid),
+                                       lambda: blocks_mod.rectangles(self.rt.mask, rows, cols, valid))
 
     # ------------------------------------------------------------------ run
     def run(self) -> None:
