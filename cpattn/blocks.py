@@ -11,7 +11,8 @@ that, e.g., zigzag's "all local queries against the first half of a remote chunk
 call. Slices are in *local* coordinates (rows of the local tensors).
 
 :func:`batches` groups blocks of one kind and shape into stacked kernel calls (docs/masks_speed.md), so a
-thousand 4-token documents cost a few kernel calls, not a thousand.
+thousand 4-token documents cost a few kernel calls, not a thousand; PARTIAL blocks of one shape stack
+with their masks.
 
 Padding: positions ``>= valid_len`` are padding tokens (added when the sequence does not split evenly).
 They are cut out of every range before classification, so no block ever covers a padding row or
@@ -32,6 +33,8 @@ from .masks import BlockKind, CausalMask, FullMask, Mask
 PARTIAL_TILE = 512
 #: most query (and key) rows one stacked kernel call gathers: bounds the copies :func:`batches` implies
 BATCH_ROWS = 16384
+#: most mask elements one stacked call of PARTIAL blocks carries (its additive mask is as many floats)
+BATCH_MASK = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,13 @@ def rectangles(mask: Mask, q_ranges: Sequence[tuple[int, int]], kv_ranges: Seque
             rects: list[tuple[int, int, int, int, BlockKind, bool]] = []
             _split(mask, qa, qb, ka, kb, tile, rects)
             for a, b, c, d, kind, flip in rects:
-                dense = mask.dense(a, b, c, d) if kind == BlockKind.PARTIAL else None
+                dense = None
+                if kind == BlockKind.PARTIAL:  # a cover's band tile may be cut down to nothing, or to all
+                    dense = mask.dense(a, b, c, d)
+                    if not bool(dense.any()):
+                        continue
+                    if bool(dense.all()):
+                        kind, dense = BlockKind.FULL, None
                 out.append(Block(slice(qo + a - qa, qo + b - qa), slice(ko + c - ka, ko + d - ka), kind, dense,
                                  flip))
     return _fuse_full(out)
@@ -140,15 +149,17 @@ def rectangles(mask: Mask, q_ranges: Sequence[tuple[int, int]], kv_ranges: Seque
 
 @dataclass(frozen=True)
 class Batch:
-    """Blocks of one kind and one shape that run as one kernel call, stacked along the batch dimension.
-    Their query rows are disjoint, so their outputs scatter back without merging each other."""
+    """Blocks of one kind and one shape that run as one kernel call, stacked along the batch dimension
+    (PARTIAL ones with their masks stacked). Their query rows are disjoint, so their outputs scatter
+    back without merging each other."""
 
     kind: BlockKind
     blocks: tuple[Block, ...]
 
     @property
     def stacked(self) -> bool:
-        """False for a lone unflipped block, which runs on slices of the local tensors (no copy)."""
+        """False for a lone unflipped block, which runs on slices of the local tensors (no copy, a
+        PARTIAL one with its own 2-D mask)."""
         return len(self.blocks) > 1 or self.blocks[0].flip
 
     def _span(self, side: str) -> slice | None:
@@ -182,18 +193,23 @@ class Batch:
         """LongTensor ``[blocks x kv rows]``: local key rows, as :meth:`rows`."""
         return self._index("kv")
 
+    def masks(self) -> torch.Tensor | None:
+        """PARTIAL: the blocks' masks stacked, bool ``[blocks, q rows, kv rows]``; else None."""
+        return torch.stack([b.mask for b in self.blocks]) if self.kind == BlockKind.PARTIAL else None
 
-def batches(blocks: Sequence[Block], max_rows: int = BATCH_ROWS) -> list[Batch]:
-    """Group FULL and CAUSAL blocks of equal shape (flipped or not) into stacked calls whose blocks have
-    disjoint query rows and at most ``max_rows`` rows on either side; PARTIAL blocks stay alone."""
+
+def batches(blocks: Sequence[Block], max_rows: int = BATCH_ROWS, max_mask: int = BATCH_MASK) -> list[Batch]:
+    """Group blocks of one kind and shape (FULL and CAUSAL flipped or not; PARTIAL with their own masks)
+    into stacked calls whose blocks have disjoint query rows and at most ``max_rows`` rows on either
+    side; a PARTIAL group also at most ``max_mask`` mask elements in all."""
     groups: dict[tuple, list[Block]] = {}
     for b in blocks:
-        key = (b.kind, b.q.stop - b.q.start, b.kv.stop - b.kv.start) if b.kind != BlockKind.PARTIAL else (id(b),)
-        groups.setdefault(key, []).append(b)
+        groups.setdefault((b.kind, b.q.stop - b.q.start, b.kv.stop - b.kv.start), []).append(b)
     out: list[Batch] = []
-    for group in groups.values():
-        n = max(group[0].q.stop - group[0].q.start, group[0].kv.stop - group[0].kv.start)
-        cap = max(1, max_rows // n)
+    for (kind, n_q, n_kv), group in groups.items():
+        cap = max(1, max_rows // max(n_q, n_kv))
+        if kind == BlockKind.PARTIAL:
+            cap = min(cap, max(1, max_mask // (n_q * n_kv)))
         lanes: list[list[Block]] = []  # sorted by start, each block joins the first lane it follows
         for b in sorted(group, key=lambda b: (b.q.start, b.kv.start)):
             lane = next((ln for ln in lanes if ln[-1].q.stop <= b.q.start and len(ln) < cap), None)
@@ -201,7 +217,7 @@ def batches(blocks: Sequence[Block], max_rows: int = BATCH_ROWS) -> list[Batch]:
                 lanes.append([b])
             else:
                 lane.append(b)
-        out.extend(Batch(group[0].kind, tuple(ln)) for ln in lanes)
+        out.extend(Batch(kind, tuple(ln)) for ln in lanes)
     return sorted(out, key=lambda bt: (bt.blocks[0].q.start, bt.blocks[0].kv.start))
 
 

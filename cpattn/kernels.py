@@ -8,8 +8,10 @@ alignment the same, so every kernel's causal flag means the same thing) or PARTI
 
 - ``forward(q, k, v, kind, scale, mask) -> (out [b, s_q, h, d], lse [b, h, s_q])``
 - ``backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None) -> (dq, dk, dv)``
-- ``forward_stacked`` / ``backward_stacked``: the same for ``pieces`` FULL or CAUSAL blocks of one shape
-  stacked along the batch dimension, in one call (``cpattn.blocks.batches``)
+- ``forward_stacked`` / ``backward_stacked``: the same for ``pieces`` blocks of one kind and shape
+  stacked along the batch dimension, in one call (``cpattn.blocks.batches``); PARTIAL ones with their
+  masks stacked ``[pieces, s_q, s_kv]`` (every PARTIAL path takes one mask per batch row,
+  ``kernels_cuda.per_row_mask``)
 
 Results are in the *accumulation dtype* (:func:`acc_dtype`: float32, or float64 for float64 inputs) so
 schedules merge and sum them without extra casts. The backward takes the *final* ``out`` and ``lse``
@@ -24,12 +26,13 @@ Each call runs one named *kernel path* (:data:`PATHS`), chosen by the pure funct
 :func:`choose_kernel` from the device type, dtype, head dim, block kind, the paths this process has
 (:func:`available_kernels`) and the ``backend`` asked for (docs/cuda.md has the table):
 
-- ``flash_cpu``: PyTorch's CPU flash op, FULL and CAUSAL blocks, every dtype;
+- ``flash_cpu``: PyTorch's CPU flash op, FULL and CAUSAL blocks, every dtype; float32 PARTIAL blocks
+  with an additive mask (0 / -inf; a row with no allowed key gets lse -inf as the contract says);
 - ``flash_cuda``, ``cudnn_cuda``, ``efficient_cuda``: PyTorch's fused CUDA ops, FULL and CAUSAL;
 - ``flex_cuda``: FlexAttention with a block mask, PARTIAL blocks on CUDA;
 - ``flash_attn``: the optional flash-attn package (``backend="flash_attn"``), FULL and CAUSAL on CUDA;
-- ``math``: plain torch, chunked over queries so memory stays bounded; float64, PARTIAL blocks off
-  CUDA, and whatever no fused kernel fits. It is also the reference-quality path.
+- ``math``: plain torch, chunked over queries so memory stays bounded; float64, low-precision PARTIAL
+  blocks off CUDA, and whatever no fused kernel fits. It is also the reference-quality path.
 
 The CUDA op wrappers live in :mod:`cpattn.kernels_cuda`. A path whose op has no grouped-query support
 gets its key/value heads expanded (:func:`expand_kv`) and its dk/dv summed back over each group
@@ -138,6 +141,10 @@ def kernel_fits(path: str, dtype: torch.dtype, head_dim: int) -> bool:
 #: 64, 1.4e-6 at 128, against 4e-8 on ``math``), more than the whole sequence's own error, which is the
 #: exactness yardstick (testing.md)
 CPU_FLASH_MIN_KEYS_LOW_PRECISION = 128
+#: dtypes whose PARTIAL blocks run on the CPU flash op with an additive mask: a masked row may keep only
+#: a few of the block's keys, which is the short-row case above, so bfloat16 / float16 stay on ``math``;
+#: float64 stays on ``math``, the reference-quality path
+CPU_FLASH_PARTIAL_DTYPES = (torch.float32,)
 
 
 def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: BlockKind,
@@ -145,8 +152,9 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
     """The kernel path (a :data:`PATHS` name) for one block: a pure function of its arguments.
 
     ``available`` is the set of paths this process can run (:func:`available_kernels`). ``math``
-    always gets ``math``. CPU: ``flash_cpu`` for FULL and CAUSAL blocks, ``math`` for PARTIAL ones and
-    for bfloat16 / float16 blocks of fewer than :data:`CPU_FLASH_MIN_KEYS_LOW_PRECISION` keys (``kv_len``).
+    always gets ``math``. CPU: ``flash_cpu`` for FULL and CAUSAL blocks and for float32 PARTIAL ones (an
+    additive mask, :data:`CPU_FLASH_PARTIAL_DTYPES`), ``math`` for other PARTIAL ones and for bfloat16 /
+    float16 blocks of fewer than :data:`CPU_FLASH_MIN_KEYS_LOW_PRECISION` keys (``kv_len``).
     CUDA: PARTIAL blocks take ``flex_cuda`` when it fits; FULL and CAUSAL blocks take ``flash_attn``
     when asked for and it fits, else the first of :data:`CUDA_ORDER` that is available and fits; with
     none, ``auto`` and ``flash_attn`` fall back to ``math`` while ``aten`` raises ValueError (it promised
@@ -159,7 +167,8 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
     if device_type == "cpu":
         short = kv_len is not None and kv_len < CPU_FLASH_MIN_KEYS_LOW_PRECISION and \
             dtype in (torch.bfloat16, torch.float16)
-        return "flash_cpu" if kind != BlockKind.PARTIAL and not short and "flash_cpu" in available else "math"
+        fits = kind != BlockKind.PARTIAL or dtype in CPU_FLASH_PARTIAL_DTYPES
+        return "flash_cpu" if fits and not short and "flash_cpu" in available else "math"
     if device_type != "cuda":
         if backend == "aten":
             raise ValueError(f"backend='aten' does not run on device {device_type!r}; use 'math'")
@@ -213,14 +222,16 @@ def _cuda_paths(index: int) -> frozenset[str]:
     return frozenset(paths)
 
 
-def _check_block(q: torch.Tensor, k: torch.Tensor, kind: BlockKind, mask: torch.Tensor | None) -> None:
+def _check_block(q: torch.Tensor, k: torch.Tensor, kind: BlockKind, mask: torch.Tensor | None,
+                 pieces: int | None = None) -> None:
     if kind == BlockKind.EMPTY:
         raise ValueError("an EMPTY block has nothing to compute; schedules must skip it")
     if kind == BlockKind.CAUSAL and q.shape[1] != k.shape[1]:
         raise ValueError(f"a CAUSAL block must be square, got s_q={q.shape[1]} s_kv={k.shape[1]}")
     if kind == BlockKind.PARTIAL:
-        if mask is None or mask.shape != (q.shape[1], k.shape[1]) or mask.dtype != torch.bool:
-            raise ValueError(f"a PARTIAL block needs a bool mask of shape {(q.shape[1], k.shape[1])}")
+        shape = (q.shape[1], k.shape[1]) if pieces is None else (pieces, q.shape[1], k.shape[1])
+        if mask is None or mask.shape != shape or mask.dtype != torch.bool:
+            raise ValueError(f"a PARTIAL block needs a bool mask of shape {shape}")
 
 
 # --------------------------------------------------------------------------------------- GQA
@@ -243,10 +254,21 @@ def reduce_kv_grad(dx: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------- CPU flash path
+def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of the CPU flash op (0 allowed, -inf not; the op wants the query dtype) of a
+    bool ``[s_q, s_kv]`` or per-batch-row ``[B, s_q, s_kv]`` mask: ``[1 or B, 1, s_q, s_kv]``."""
+    m = mask if mask.dim() == 3 else mask.unsqueeze(0)
+    return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf")).unsqueeze(1)
+
+
 def _cpu_flash_forward(q, k, v, kind, scale, mask):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    dense = kernels_cuda.per_row_mask(mask, q.shape[0], q.device) if kind == BlockKind.PARTIAL else None
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qt, kt, vt, 0.0, kind == BlockKind.CAUSAL, scale=scale)
+        qt, kt, vt, 0.0, kind == BlockKind.CAUSAL, attn_mask=None if dense is None else _bias(dense, q.dtype),
+        scale=scale)
+    if dense is not None:  # the op gives a row with no allowed key out 0 and lse 0; the contract says -inf
+        lse = lse.masked_fill((~dense.any(-1)).unsqueeze(-2), float("-inf"))
     return out.transpose(1, 2), lse
 
 
@@ -254,20 +276,30 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, kind, scale, mask):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     dt, ot = dout.transpose(1, 2), out.transpose(1, 2)
     lse = lse.to(acc_dtype(q.dtype)).contiguous()
+    bias = None
+    if kind == BlockKind.PARTIAL:
+        bias = _bias(kernels_cuda.per_row_mask(mask, q.shape[0], q.device), q.dtype)
+        # a row with no key anywhere has lse -inf, and the op's exp(-inf - lse) would be NaN: any finite
+        # lse gives its masked scores weight 0 (a row this block masks but others reach has a finite one)
+        lse = lse.masked_fill(torch.isneginf(lse), 0.0)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dt, qt, kt, vt, ot, lse, 0.0, kind == BlockKind.CAUSAL, scale=scale)
+        dt, qt, kt, vt, ot, lse, 0.0, kind == BlockKind.CAUSAL, attn_mask=bias, scale=scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 # --------------------------------------------------------------------------------------- math path
-def _allowed(kind: BlockKind, mask: torch.Tensor | None, r0: int, r1: int, sk: int, device) -> torch.Tensor | None:
-    """Boolean [r1 - r0, sk] for query rows r0..r1 of the block, or None when every pair attends."""
+def _allowed(kind: BlockKind, mask: torch.Tensor | None, r0: int, r1: int, sk: int, device,
+             b: int = 1) -> torch.Tensor | None:
+    """Boolean [r1 - r0, sk] for query rows r0..r1 of the block (``[b, 1, 1, r1 - r0, sk]`` for a
+    stacked ``[pieces, s_q, s_kv]`` mask over ``b`` batch rows), or None when every pair attends."""
     if kind == BlockKind.FULL:
         return None
     if kind == BlockKind.CAUSAL:
         qi = torch.arange(r0, r1, device=device).unsqueeze(1)
         return torch.arange(sk, device=device).unsqueeze(0) <= qi
-    return mask[r0:r1].to(device)
+    if mask.dim() == 2:
+        return mask[r0:r1].to(device)
+    return kernels_cuda.per_row_mask(mask[:, r0:r1], b, device)[:, None, None]
 
 
 def _math_forward(q, k, v, kind, scale, mask):
@@ -282,7 +314,7 @@ def _math_forward(q, k, v, kind, scale, mask):
         r1 = min(sq, r0 + MATH_CHUNK_ROWS)
         qc = q[:, r0:r1].to(acc).view(b, r1 - r0, hkv, g, d)
         s = torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale
-        allowed = _allowed(kind, mask, r0, r1, sk, q.device)
+        allowed = _allowed(kind, mask, r0, r1, sk, q.device, b)
         if allowed is not None:
             s = s.masked_fill(~allowed, float("-inf"))
         m = torch.logsumexp(s, dim=-1)  # [b, n, g, q]; -inf where the row has no key
@@ -309,7 +341,7 @@ def _math_backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None):
         doc = dout[:, r0:r1].to(acc).view(b, n, hkv, g, d)
         lc = lse[:, :, r0:r1].to(acc).reshape(b, hkv, g, n)
         s = torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale
-        allowed = _allowed(kind, mask, r0, r1, sk, q.device)
+        allowed = _allowed(kind, mask, r0, r1, sk, q.device, b)
         if allowed is not None:
             s = s.masked_fill(~allowed, float("-inf"))
         p = torch.exp(s - torch.where(torch.isinf(lc), 0.0, lc).unsqueeze(-1))
@@ -439,27 +471,24 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float, pieces: int,
-                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`forward` of ``pieces`` equal-shaped FULL or CAUSAL blocks stacked along the batch dimension
-    (``q [pieces * b, s_q, h, d]``), in one kernel call. The trace records one compute event per block,
-    so recordings count blocks as ``steps()`` do."""
-    if kind == BlockKind.PARTIAL:
-        raise ValueError("stacked calls take FULL or CAUSAL blocks; a PARTIAL block has its own mask")
-    _check_block(q, k, kind, None)
+                    backend: str = "auto", mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` of ``pieces`` equal-shaped blocks of one kind stacked along the batch dimension
+    (``q [b * pieces, s_q, h, d]``, batch row ``i * pieces + p`` is piece p), in one kernel call;
+    PARTIAL blocks bring their masks stacked, ``mask [pieces, s_q, s_kv]``. The trace records one
+    compute event per block, so recordings count blocks as ``steps()`` do."""
+    _check_block(q, k, kind, mask, pieces)
     for _ in range(pieces):
         trace.compute("forward", kind.value, q.shape[1], k.shape[1])
-    return _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, None, None)
+    return _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, mask, None)
 
 
 def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, kind: BlockKind, scale: float, pieces: int, backend: str = "auto"
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     lse: torch.Tensor, kind: BlockKind, scale: float, pieces: int, backend: str = "auto",
+                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`backward` of ``pieces`` stacked blocks, as :func:`forward_stacked` (one call, one trace event
     per block); each block's rows carry its rows' final ``out`` and ``lse``."""
-    if kind == BlockKind.PARTIAL:
-        raise ValueError("stacked calls take FULL or CAUSAL blocks; a PARTIAL block has its own mask")
-    _check_block(q, k, kind, None)
+    _check_block(q, k, kind, mask, pieces)
     for _ in range(pieces):
         trace.compute("backward", kind.value, q.shape[1], k.shape[1])
-    return _run_backward(kernel_for(q, kind, backend, k.shape[1]), dout, q, k, v, out, lse, kind, scale, None,
+    return _run_backward(kernel_for(q, kind, backend, k.shape[1]), dout, q, k, v, out, lse, kind, scale, mask,
                          None)

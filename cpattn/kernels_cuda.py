@@ -141,12 +141,27 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention)
 
 
-def _block_mask(mask: torch.Tensor, device: torch.device):
+def _block_mask(dense: torch.Tensor):
+    """A FlexAttention block mask from a bool ``[s_q, s_kv]`` mask, or a per-batch-row ``[B, s_q, s_kv]``."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    if dense.dim() == 2:
+        return create_block_mask(lambda b, h, q_idx, kv_idx: dense[q_idx, kv_idx], None, None,
+                                 dense.shape[0], dense.shape[1], device=dense.device)
+    return create_block_mask(lambda b, h, q_idx, kv_idx: dense[b, q_idx, kv_idx], dense.shape[0], None,
+                             dense.shape[1], dense.shape[2], device=dense.device)
+
+
+def per_row_mask(mask: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """A PARTIAL mask on ``device``: ``[s_q, s_kv]`` as is; a stacked ``[pieces, s_q, s_kv]`` one repeated
+    to one mask per batch row (row ``i * pieces + p`` is piece p, as ``kernels.forward_stacked`` stacks)."""
     dense = mask.to(device)
-    return create_block_mask(lambda b, h, q_idx, kv_idx: dense[q_idx, kv_idx], None, None,
-                             dense.shape[0], dense.shape[1], device=device)
+    return dense if dense.dim() == 2 or dense.shape[0] == batch else dense.repeat(batch // dense.shape[0], 1, 1)
+
+
+def _empty_rows(dense: torch.Tensor) -> torch.Tensor:
+    """``[s_q]`` or ``[B, s_q]``: rows with no allowed key."""
+    return ~dense.any(-1)
 
 
 def flex_supported() -> bool:
@@ -162,19 +177,22 @@ def flex_supported() -> bool:
 
 
 def flex_block(q, k, v, mask, scale, compiled: bool = True):
-    """FlexAttention of one PARTIAL block, differentiable: ``(out [b, s_q, h, d], lse [b, h, s_q])``.
-    Rows with no allowed key give out 0 and lse -inf whatever the kernel leaves there.
-    ``compiled=False`` runs the unfused implementation (the only one on the CPU, forward only)."""
+    """FlexAttention of one PARTIAL block (or of stacked ones, ``mask [pieces, s_q, s_kv]``),
+    differentiable: ``(out [b, s_q, h, d], lse [b, h, s_q])``. Rows with no allowed key give out 0 and
+    lse -inf whatever the kernel leaves there. ``compiled=False`` runs the unfused implementation (the
+    only one on the CPU, forward only)."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     fn = _compiled_flex() if compiled else flex_attention
     qt, kt, vt = _bhsd(q, k, v)
+    dense = per_row_mask(mask, q.shape[0], q.device)
     # the Triton backend is the one whose backward accepts a gradient of lse (grads_through_block)
-    out, aux = fn(qt, kt, vt, block_mask=_block_mask(mask, q.device), scale=scale,
+    out, aux = fn(qt, kt, vt, block_mask=_block_mask(dense), scale=scale,
                   enable_gqa=k.shape[2] != q.shape[2], return_aux=AuxRequest(lse=True),
                   kernel_options={"BACKEND": "TRITON"})
-    empty = ~mask.to(q.device).any(1)
-    return out.transpose(1, 2).masked_fill(empty[:, None, None], 0.0), aux.lse.masked_fill(empty, float("-inf"))
+    empty = _empty_rows(dense)  # [s_q] or [b, s_q]
+    return (out.transpose(1, 2).masked_fill(empty[..., None, None], 0.0),
+            aux.lse.masked_fill(empty.unsqueeze(-2), float("-inf")))
 
 
 def flex_forward(q, k, v, kind, scale, mask, compiled: bool = True):
@@ -185,8 +203,8 @@ def flex_forward(q, k, v, kind, scale, mask, compiled: bool = True):
 def flex_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = True):
     dq, dk, dv = grads_through_block(lambda a, b, c: flex_block(a, b, c, mask, scale, compiled),
                                      dout, q, k, v, out, lse)
-    empty = ~mask.to(q.device).any(1)
-    return dq.masked_fill(empty[:, None, None], 0.0), dk, dv
+    empty = _empty_rows(per_row_mask(mask, q.shape[0], q.device))
+    return dq.masked_fill(empty[..., None, None], 0.0), dk, dv
 
 
 def grads_through_block(block: Callable, dout, q, k, v, out, lse):

@@ -89,9 +89,13 @@ class Piece(NamedTuple):
 #: row tile of a sliding window's cover (tokens): past it, a tile's band is a FULL rectangle between two
 #: triangles, which the fused kernels run at full-block efficiency
 WINDOW_TILE = 256
-#: narrower windows are not covered (halved and densified instead): on the CPU flash kernel, low-precision
-#: inputs over pieces this short give a log-sum-exp outside the exactness tolerance (testing.md)
-MIN_WINDOW_COVER = 64
+#: rows per band tile: a PARTIAL piece of this many rows against every key its rows can reach
+#: (:func:`band`); tiles of one shape run as one stacked call with a mask each
+BAND_TILE = 128
+#: windows narrower than this are covered by band tiles rather than by triangles: on rows this short,
+#: the kernels' fixed cost per (query tile, key tile) dominates, and one masked call per shape runs the
+#: forward as fast and the backward faster (docs/masks_speed.md)
+BAND_MAX_WINDOW = 512
 #: a structured cover gives up (the caller halves the rectangle instead) past this many row tiles or cells
 MAX_COVER_STEPS = 1 << 15
 
@@ -121,6 +125,29 @@ def triangle(q0: int, q1: int, k0: int, k1: int, delta: int, flip: bool = False)
         return [Piece(-p.q1, -p.q0, -p.k1, -p.k0, p.kind, p.kind == BlockKind.CAUSAL)
                 for p in triangle(-q1, -q0, -k1, -k0, -delta)]
     return [Piece(p.q0, p.q1, p.k0 + delta, p.k1 + delta, p.kind) for p in _lower(q0, q1, k0 - delta, k1 - delta)]
+
+
+def band(rect: tuple[int, int, int, int], r0: int, r1: int, c0: int, c1: int, lo: int, hi: int,
+         tile: int = BAND_TILE) -> list[Piece] | None:
+    """PARTIAL tiles covering pairs of rows ``[r0, r1)`` whose keys lie within ``[q - lo, q + hi]`` and
+    ``[c0, c1)``: rows ``[a, a + tile)`` for ``a`` from ``r0`` in steps of ``tile``, against keys ``[a - lo,
+    a + tile + hi)``, all cut by ``rect``. Each tile's dense mask says which of its pairs attend
+    (``blocks.rectangles`` drops tiles cut down to nothing); interior tiles share one shape, so they run
+    as one stacked call. None past :data:`MAX_COVER_STEPS` tiles."""
+    q0, q1, k0, k1 = rect
+    lo_row, hi_row = max(r0, q0), min(r1, q1)
+    if lo_row >= hi_row:
+        return []
+    first = r0 + (lo_row - r0) // tile * tile
+    if (hi_row - first) // tile >= MAX_COVER_STEPS:
+        return None
+    out = []
+    for a in range(first, hi_row, tile):
+        rows = (max(a, q0), min(a + tile, hi_row))
+        keys = (max(a - lo, c0, k0), min(a + tile + hi, c1, k1))
+        if rows[0] < rows[1] and keys[0] < keys[1]:
+            out.append(Piece(*rows, *keys, BlockKind.PARTIAL))
+    return out
 
 
 def _within(rect: tuple[int, int, int, int], r0: int, r1: int, c0: int, c1: int) -> tuple[int, int, int, int]:
@@ -393,14 +420,15 @@ class SlidingWindowMask(IntervalMask):
         return _col(q - self.window + 1), _col(end)
 
     def cover(self, q0, q1, k0, k1):
-        """Row tiles ``[a, a + t)`` at multiples of ``t = min(w, WINDOW_TILE)`` for the window ``w``: the
+        """Windows narrower than :data:`BAND_MAX_WINDOW`: band tiles (:func:`band`). Wider ones: row
+        tiles ``[a, a + t)`` at multiples of ``t = min(w, WINDOW_TILE)`` for the window ``w``: the
         tile's own keys are one CAUSAL square (FULL when bidirectional), the keys every row of the tile
         sees one FULL rectangle, the far edge (keys ``[a - w + 1, a + t - w)``) one flipped CAUSAL square,
         and bidirectionally the near edge (keys ``[a + w, a + t + w - 1)``) a CAUSAL square shifted by
         ``w - 1``: every pair once, nothing dense."""
         w, rect = self.window, (q0, q1, k0, k1)
-        if w < MIN_WINDOW_COVER:  # pieces this small lose precision on the fast kernel: halve instead
-            return None
+        if w < BAND_MAX_WINDOW:
+            return band(rect, q0, q1, k0, k1, w - 1, 0 if self.causal else w - 1)
         t = min(w, WINDOW_TILE)
         tiles = range(q0 // t, (q1 - 1) // t + 1)
         if len(tiles) > MAX_COVER_STEPS:
@@ -473,7 +501,8 @@ class DocumentMask(IntervalMask):
 
     def cover(self, q0, q1, k0, k1):
         """Per document meeting both ranges: its rows x its keys, FULL (bidirectional) or the causal
-        triangle (one CAUSAL square on the diagonal plus FULL rectangles where the ranges differ)."""
+        triangle (one CAUSAL square on the diagonal plus FULL rectangles where the ranges differ). Tiny
+        documents stay squares: stacked by length they run faster than band tiles (docs/masks_speed.md)."""
         ends = self._end_list
         first = max(bisect_right(ends, q0), bisect_right(ends, k0))
         last = min(bisect_right(ends, q1 - 1), bisect_right(ends, k1 - 1), len(ends) - 1)
@@ -531,10 +560,15 @@ class StreamingMask(IntervalMask):
 
     def cover(self, q0, q1, k0, k1):
         """Token form: the causal sliding window's cover plus the sink keys before the window (pairs
-        ``k < sink``, ``k <= q - window``: a shifted triangle). Block form: per query block, the sink keys
+        ``k < sink``, ``k <= q - window``: a shifted triangle); for a window narrower than
+        :data:`BAND_MAX_WINDOW`, band tiles over the keys from ``sink`` on plus every causal pair of the
+        sink keys (the tiles' masks then hold only window pairs). Block form: per query block, the sink keys
         before its window and its window's earlier blocks FULL, its own block CAUSAL."""
         bs, w, rect = self.block_size, self.window, (q0, q1, k0, k1)
         if bs == 1:
+            if w < BAND_MAX_WINDOW:  # band tiles over the keys past the sink, every causal pair before it
+                tiles = band(rect, q0, q1, max(k0, self.sink), k1, w - 1, 0)
+                return None if tiles is None else tiles + _triangle_in(rect, 0, q1, 0, self.sink, 0)
             out = SlidingWindowMask(w).cover(q0, q1, k0, k1)
             return None if out is None else out + _triangle_in(rect, 0, q1, 0, self.sink, -w)
         qbs = range(q0 // bs, (q1 - 1) // bs + 1)

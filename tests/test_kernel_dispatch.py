@@ -32,7 +32,9 @@ TABLE = [
     ("cpu", BF16, 64, FULL, CPU, "auto", "flash_cpu"),
     ("cpu", F64, 64, CAUSAL, CPU, "aten", "flash_cpu"),
     ("cpu", F32, 12, CAUSAL, CPU, "auto", "flash_cpu"),
-    ("cpu", F32, 64, PARTIAL, CPU, "auto", "math"),
+    ("cpu", F32, 64, PARTIAL, CPU, "auto", "flash_cpu"),  # an additive mask
+    ("cpu", BF16, 64, PARTIAL, CPU, "auto", "math"),  # a masked row can keep few keys: low precision stays exact
+    ("cpu", F64, 64, PARTIAL, CPU, "aten", "math"),
     ("cpu", F32, 64, FULL, CPU, "math", "math"),
     ("cpu", BF16, 64, FULL, CPU | {"flash_attn"}, "flash_attn", "flash_cpu"),  # flash-attn is CUDA only
     ("cuda", BF16, 128, FULL, GPU, "auto", "flash_cuda"),
@@ -271,6 +273,19 @@ def test_flex_forward_unfused_matches_math(hkv):
     assert bool((out[:, 3] == 0).all())
 
 
+def test_flex_forward_of_stacked_partial_blocks_matches_math():
+    """Stacked PARTIAL blocks on the Flex wrapper: one block mask with a mask per batch row."""
+    q, k, v, _ = _inputs(F32, sq=40, sk=70, h=4, hkv=2, d=16, seed=4)  # batch 2 = 1 row x 2 pieces
+    masks = torch.rand(2, 40, 70, generator=torch.Generator().manual_seed(6)) < 0.3
+    masks[1, 9] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, lse = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, masks, compiled=False)
+    ref_o, ref_l = kernels.forward_stacked(q, k, v, PARTIAL, 0.3, 2, "math", masks)
+    assert torch.allclose(out.float(), ref_o, atol=1e-5) and torch.equal(lse.isinf(), ref_l.isinf())
+    assert bool(torch.isneginf(lse[1, :, 9]).all()) and bool((out[1, 9] == 0).all())
+
+
 # ------------------------------------------------------------------------------------ ops on meta tensors
 @pytest.mark.parametrize("path", ["flash_cuda", "efficient_cuda", "cudnn_cuda"])
 @pytest.mark.parametrize("kind", [FULL, CAUSAL])
@@ -339,3 +354,48 @@ def test_short_low_precision_cpu_blocks_run_on_math(dtype):
     s64 = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(4, 2)) * 0.25
     ref = torch.logsumexp(s64, -1)
     assert ((lse.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("dtype,tol", [(F64, 1e-10), (F32, 2e-5)])
+def test_partial_blocks_on_the_cpu_flash_op_match_math(dtype, tol):
+    """A PARTIAL block on the CPU flash op (an additive mask) gives math's out, lse and gradients, and a
+    row with no allowed key gets out 0, lse -inf and zero dq (the op itself gives lse 0 there)."""
+    q, k, v, dout = _inputs(dtype, sq=40, sk=56, hkv=2, seed=7)
+    allowed = torch.rand(40, 56, generator=torch.Generator().manual_seed(3)) < 0.3
+    allowed[5] = False
+    ref_o, ref_l = kernels.forward_with("math", q, k, v, PARTIAL, 0.3, allowed)
+    ref = kernels.backward_with("math", dout, q, k, v, ref_o.to(dtype), ref_l, PARTIAL, 0.3, allowed)
+    o, lse = kernels.forward_with("flash_cpu", q, k, v, PARTIAL, 0.3, allowed)
+    assert torch.allclose(o, ref_o, atol=tol) and torch.equal(lse.isinf(), ref_l.isinf())
+    assert bool(torch.isneginf(lse[:, :, 5]).all()) and bool((o[:, 5] == 0).all())
+    fin = ~ref_l.isinf()
+    assert torch.allclose(lse[fin], ref_l[fin], atol=tol)
+    grads = kernels.backward_with("flash_cpu", dout, q, k, v, o.to(dtype), lse, PARTIAL, 0.3, allowed)
+    for got, want in zip(grads, ref):
+        assert not got.isnan().any() and torch.allclose(got, want, atol=tol * 10), (got - want).abs().max()
+    assert bool((grads[0][:, 5] == 0).all())
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_stacked_partial_blocks_match_one_call_per_block(backend):
+    """PARTIAL blocks stacked with their own masks (batch row i * pieces + p is piece p) give what each
+    block gives alone, forward and backward, on the CPU flash op (auto, float32) and on math."""
+    pieces, b = 3, 2
+    q, k, v, dout = _inputs(F32, sq=24, sk=32, hkv=2, seed=11)
+    gen = torch.Generator().manual_seed(5)
+    masks = torch.rand(pieces, 24, 32, generator=gen) < 0.4
+    masks[1, 7] = False
+    qs, ks, vs, ds = (torch.randn(b * pieces, *x.shape[1:], generator=gen) for x in (q, k, v, dout))
+    o, lse = kernels.forward_stacked(qs, ks, vs, PARTIAL, 0.3, pieces, backend, masks)
+    grads = kernels.backward_stacked(ds, qs, ks, vs, o, lse, PARTIAL, 0.3, pieces, backend, masks)
+    for i in range(b):
+        for p in range(pieces):
+            r = i * pieces + p
+            one = (qs[r:r + 1], ks[r:r + 1], vs[r:r + 1])
+            o1, l1 = kernels.forward(*one, PARTIAL, 0.3, masks[p], backend)
+            assert torch.allclose(o[r:r + 1], o1, atol=1e-6) and torch.equal(lse[r:r + 1].isinf(), l1.isinf())
+            g1 = kernels.backward(ds[r:r + 1], *one, o1, l1, PARTIAL, 0.3, masks[p], backend)
+            for got, want in zip(grads, g1):
+                assert torch.allclose(got[r:r + 1], want, atol=1e-5)
+    with pytest.raises(ValueError, match="bool mask"):
+        kernels.forward_stacked(qs, ks, vs, PARTIAL, 0.3, pieces, backend, masks[0])

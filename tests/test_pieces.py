@@ -35,7 +35,7 @@ def _doc_lengths(total: int, max_len: int) -> st.SearchStrategy[list[int]]:
 SEQ = 96
 MASKS = st.one_of(
     st.builds(masks.document, _doc_lengths(SEQ, 40), st.booleans()),
-    st.builds(masks.sliding_window, st.integers(1, masks.MIN_WINDOW_COVER + 30), st.booleans()),
+    st.builds(masks.sliding_window, st.integers(1, 94), st.booleans()),
     st.builds(masks.streaming, st.integers(0, 9), st.integers(1, 30), st.sampled_from([1, 1, 3, 8])),
     st.builds(masks.star, st.sampled_from([2, 5, 8]), st.integers(0, 3)),
     st.builds(masks.strided, st.sampled_from([2, 4, 8]), st.integers(2, 5), st.integers(1, 3), st.booleans()),
@@ -48,8 +48,11 @@ MASKS = st.one_of(
 RECTS = st.tuples(st.integers(0, SEQ - 1), st.integers(1, SEQ), st.integers(0, SEQ - 1), st.integers(1, SEQ))
 
 
-def _piece_dense(p: masks.Piece) -> torch.Tensor:
+def _piece_dense(p: masks.Piece, mask: Mask | None = None) -> torch.Tensor:
     n, m = p.q1 - p.q0, p.k1 - p.k0
+    if p.kind == BlockKind.PARTIAL:  # a band tile: the pairs of its rectangle that the mask allows
+        assert mask is not None and n <= masks.BAND_TILE, p
+        return mask.dense(p.q0, p.q1, p.k0, p.k1).int()
     ones = torch.ones(n, m, dtype=torch.int32)
     if p.kind == BlockKind.FULL:
         return ones
@@ -57,24 +60,22 @@ def _piece_dense(p: masks.Piece) -> torch.Tensor:
     return ones.triu() if p.flip else ones.tril()
 
 
-def _narrow_window(mask: Mask) -> bool:
-    """Token windows narrower than ``masks.MIN_WINDOW_COVER`` are halved, not covered (precision)."""
+def _bands(mask: Mask) -> bool:
+    """Masks whose cover may hold PARTIAL band tiles: narrow token windows (sliding or streaming)."""
     token_window = isinstance(mask, masks.SlidingWindowMask) or (
         isinstance(mask, masks.StreamingMask) and mask.block_size == 1)
-    return token_window and mask.window < masks.MIN_WINDOW_COVER
+    return token_window and mask.window < masks.BAND_MAX_WINDOW
 
 
 def _check_cover(mask: Mask, q0: int, q1: int, k0: int, k1: int) -> list[masks.Piece]:
     pieces = mask.cover(q0, q1, k0, k1)
-    if _narrow_window(mask):
-        assert pieces is None, mask
-        return []
     assert pieces is not None, mask
     want = mask.dense(q0, q1, k0, k1)
     got = torch.zeros(q1 - q0, k1 - k0, dtype=torch.int32)
     for p in pieces:
         assert q0 <= p.q0 < p.q1 <= q1 and k0 <= p.k0 < p.k1 <= k1, p
-        part = _piece_dense(p)
+        assert p.kind != BlockKind.PARTIAL or _bands(mask), (mask, p)
+        part = _piece_dense(p, mask)
         assert bool(want[p.q0 - q0:p.q1 - q0, p.k0 - k0:p.k1 - k0][part.bool()].all()), (mask, p)
         got[p.q0 - q0:p.q1 - q0, p.k0 - k0:p.k1 - k0] += part
     assert int(got.max()) <= 1, "overlapping pieces"
@@ -111,8 +112,8 @@ def test_cover_of_whole_ranks_is_exact(mask, world, name):
     for r in range(world):
         for j in range(world):
             bl = blocks.for_ranks(mask, lay, seq, world, r, [j])
-            assert _narrow_window(mask) or all(b.kind != BlockKind.PARTIAL for b in bl), \
-                "structured masks leave nothing dense"
+            assert _bands(mask) or all(b.kind != BlockKind.PARTIAL for b in bl), \
+                "structured masks leave nothing dense but band tiles"
             _check_blocks(mask, bl, lay.positions(seq, world, r), lay.positions(seq, world, j))
 
 

@@ -264,7 +264,7 @@ def attend(rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
         rows = batch.rows().to(q.device) if rs is None else None
         cols = batch.cols().to(q.device) if cs is None else None
         o, lse = kernels.forward_stacked(_stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
-                                         batch.kind, rt.scale, n, rt.backend)
+                                         batch.kind, rt.scale, n, rt.backend, batch.masks())
         o = o.reshape(b, -1, *o.shape[2:])
         lse = lse.reshape(b, n, *lse.shape[1:]).transpose(1, 2).reshape(b, lse.shape[1], -1)
         _write(out_acc, lse_acc, rs, rows, o, lse)
@@ -293,7 +293,7 @@ def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         lse_b = lse_b.reshape(b, lse.shape[1], n, -1).transpose(1, 2).reshape(b * n, lse.shape[1], -1)
         dq, dk, dv = kernels.backward_stacked(
             _stack(dout, rs, rows, n), _stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
-            _stack(out, rs, rows, n), lse_b, batch.kind, rt.scale, n, rt.backend)
+            _stack(out, rs, rows, n), lse_b, batch.kind, rt.scale, n, rt.backend, batch.masks())
         for acc, grad, span, index in ((dq_acc, dq, rs, rows), (dk_acc, dk, cs, cols), (dv_acc, dv, cs, cols)):
             grad = grad.reshape(b, -1, *grad.shape[2:])
             if span is not None:
