@@ -154,7 +154,8 @@ def _block_mask(dense: torch.Tensor):
 
 def per_row_mask(mask: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
     """A PARTIAL mask on ``device``: ``[s_q, s_kv]`` as is; a stacked ``[pieces, s_q, s_kv]`` one repeated
-    to one mask per batch row (row ``i * pieces + p`` is piece p, as ``kernels.forward_stacked`` stacks)."""
+    to one mask per batch row (row ``i * pieces + p`` is piece p, as ``kernels.forward_stacked`` stacks).
+    The one rule for stacked masks: the CPU flash and math paths in :mod:`cpattn.kernels` use it too."""
     dense = mask.to(device)
     return dense if dense.dim() == 2 or dense.shape[0] == batch else dense.repeat(batch // dense.shape[0], 1, 1)
 
