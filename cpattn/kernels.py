@@ -268,7 +268,7 @@ def _cpu_flash_forward(q, k, v, kind, scale, mask):
         qt, kt, vt, 0.0, kind == BlockKind.CAUSAL, attn_mask=None if dense is None else _bias(dense, q.dtype),
         scale=scale)
     if dense is not None:  # the op gives a row with no allowed key out 0 and lse 0; the contract says -inf
-        lse = lse.masked_fill((~dense.any(-1)).unsqueeze(-2), float("-inf"))
+        lse = lse.masked_fill(kernels_cuda.empty_rows(dense).unsqueeze(-2), float("-inf"))
     return out.transpose(1, 2), lse
 
 

@@ -160,8 +160,9 @@ def per_row_mask(mask: torch.Tensor, batch: int, device: torch.device) -> torch.
     return dense if dense.dim() == 2 or dense.shape[0] == batch else dense.repeat(batch // dense.shape[0], 1, 1)
 
 
-def _empty_rows(dense: torch.Tensor) -> torch.Tensor:
-    """``[s_q]`` or ``[B, s_q]``: rows with no allowed key."""
+def empty_rows(dense: torch.Tensor) -> torch.Tensor:
+    """``[s_q]`` or ``[B, s_q]``: rows of a :func:`per_row_mask` with no allowed key (their lse is -inf by
+    the kernel contract, whatever an op leaves there)."""
     return ~dense.any(-1)
 
 
@@ -191,7 +192,7 @@ def flex_block(q, k, v, mask, scale, compiled: bool = True):
     out, aux = fn(qt, kt, vt, block_mask=_block_mask(dense), scale=scale,
                   enable_gqa=k.shape[2] != q.shape[2], return_aux=AuxRequest(lse=True),
                   kernel_options={"BACKEND": "TRITON"})
-    empty = _empty_rows(dense)  # [s_q] or [b, s_q]
+    empty = empty_rows(dense)  # [s_q] or [b, s_q]
     return (out.transpose(1, 2).masked_fill(empty[..., None, None], 0.0),
             aux.lse.masked_fill(empty.unsqueeze(-2), float("-inf")))
 
@@ -204,7 +205,7 @@ def flex_forward(q, k, v, kind, scale, mask, compiled: bool = True):
 def flex_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = True):
     dq, dk, dv = grads_through_block(lambda a, b, c: flex_block(a, b, c, mask, scale, compiled),
                                      dout, q, k, v, out, lse)
-    empty = _empty_rows(per_row_mask(mask, q.shape[0], q.device))
+    empty = empty_rows(per_row_mask(mask, q.shape[0], q.device))
     return dq.masked_fill(empty[..., None, None], 0.0), dk, dv
 
 

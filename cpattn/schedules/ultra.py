@@ -14,8 +14,8 @@ plan order:
   rank relays is sent as it arrived, a partial result after every contribution to it was folded in;
 - ``compute``: wait for its inputs, run one kernel call (fused rectangle or causal square; a partial
   cell runs the mask's own cover of it, ``cpattn.blocks.rectangles``, its equal pieces stacked as
-  ``attend`` stacks them) and fold its output into the per-chunk accumulators: lse merge of (out, lse) forward, float32
-  sums of dq and of packed dk/dv backward;
+  ``attend`` stacks them) and fold its output into the per-chunk accumulators: lse merge of (out,
+  lse) forward, float32 sums of dq and of packed dk/dv backward;
 - ``merge``: wait for a partial result and fold it in (pairwise, as partials arrive).
 
 A chunk's accumulator on its owner is a view of the rank's output, so when all partials have been
@@ -24,9 +24,9 @@ and ``D = rowsum(dout * out)`` (one float per row and head, computed once on the
 owner: with the final lse and D, per-block gradients add up exactly, and D is all of ``out`` that the
 gradients use. A kernel whose rows this rank owns passes its local ``out``; one with a fetched row
 passes D (``kernels.backward(..., out=None, delta=D)``: ``math`` takes it as is, a fused path a
-stand-in ``out`` with the same rowsum). Only
-key/value heads travel (GQA). The plan's validation guarantees the order cannot deadlock and messages
-between two ranks are posted in the same order on both sides.
+stand-in ``out`` with the same rowsum). Only key/value heads travel (GQA). The plan's validation
+guarantees the order cannot deadlock and messages between two ranks are posted in the same order on
+both sides.
 
 Communication per rank: one ``send`` per transfer leaving it and one ``recv`` per transfer arriving,
 of :meth:`Sizes.item_bytes` each (``Plan.volume``). ``ultra`` declares no ``steps()``: its plan is its
