@@ -195,7 +195,7 @@ def test_local_world_rejects_bad_timeouts():
 
 # --------------------------------------------------------------------------- a rank dies: torchrun
 SCRIPT = Path(__file__).with_name("torchrun_fault.py")
-EXACT = re.compile(r"rank (\d) exact (\S+) local (\S+) finite (\w+)")
+EXACT = re.compile(r"rank (\d) exact (\S+) local (\S+) finite (True|False)")
 
 
 def _torchrun(mode: str, timeout: float = 120.0) -> tuple[subprocess.CompletedProcess, float]:

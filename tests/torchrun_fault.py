@@ -51,6 +51,13 @@ def rel_err(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return max(float((a.double() - b).norm() / b.norm()) for a, b in zip(got, ref, strict=True))
 
 
+def say(line: str) -> None:
+    """One line to stdout in one write: both ranks share torchrun's stdout, and a line written in two
+    pieces (text, then newline) can be split by the other rank's line."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 def main(mode: str) -> None:
     rank, world, local_rank, device = cpattn.distributed.init()
     torch.set_num_threads(1)
@@ -65,12 +72,12 @@ def main(mode: str) -> None:
     got = [cp.unshard(t.detach().cpu()) for t in (out, q.grad, k.grad, v.grad)]
     err, e_local = rel_err(got, [ref_out, *ref_grads]), rel_err([local_out, *local_grads], [ref_out, *ref_grads])
     finite = all(bool(t.isfinite().all()) for t in got)
-    print(f"rank {rank} exact {err:.3e} local {e_local:.3e} finite {finite}", flush=True)
+    say(f"rank {rank} exact {err:.3e} local {e_local:.3e} finite {finite}")
     if mode == "fault":
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         out = cp.attention(q, k, v)
         if rank == 1:
-            print(f"rank 1 exits at {time.time():.3f}", flush=True)
+            say(f"rank 1 exits at {time.time():.3f}")
             os._exit(3)
         out.sum().backward()
     torch.distributed.destroy_process_group()
