@@ -20,7 +20,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import torch
@@ -42,14 +42,21 @@ CALIBRATED_OPS = ("sendrecv", "all_gather", "reduce_scatter", "broadcast", "redu
 @dataclass(frozen=True)
 class Settings:
     """What to measure. ``sizes``: square block sides (tokens) for FULL/CAUSAL kernels;
-    ``partial_sizes``: for PARTIAL ones; ``message_bytes``: message sizes (bytes); ``reps``: timed
-    repetitions per point (after one warm-up). The kernel shape is ``[batch, n, heads, head_dim]``
-    with ``kv_heads`` key/value heads in ``dtype``."""
+    ``partial_sizes``: for PARTIAL ones; ``stacked_sizes``: sides of small FULL/CAUSAL pieces timed
+    ``stacked_rows // n`` at a time in one stacked call (as the executor runs the pieces of a cover:
+    short documents, band tiles), each point the per-piece rate; ``message_bytes``: message sizes
+    (bytes); ``reps``: timed repetitions per point (after one warm-up), ``kernel_reps`` for the kernel
+    points (their rates feed every prediction, and one busy moment of the other rank moves a median
+    of 3 by 30%). The kernel shape is
+    ``[batch, n, heads, head_dim]`` with ``kv_heads`` key/value heads in ``dtype``."""
 
     sizes: tuple[int, ...] = (256, 512, 1024, 2048)
     partial_sizes: tuple[int, ...] = (256, 512)
+    stacked_sizes: tuple[int, ...] = (16, 64)
+    stacked_rows: int = 2048
     message_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
     reps: int = 3
+    kernel_reps: int = 9
     batch: int = 1
     heads: int = 8
     kv_heads: int = 2
@@ -58,7 +65,8 @@ class Settings:
     ranks: int = 2
 
 
-QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), message_bytes=(1 << 12, 1 << 16), reps=1)
+QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), stacked_sizes=(16,), stacked_rows=64,
+                 message_bytes=(1 << 12, 1 << 16), reps=1, kernel_reps=1)
 
 
 def _median_time(fn: Callable[[], object], reps: int, barrier: Callable[[], None]) -> float:
@@ -87,23 +95,36 @@ def _inputs(s: Settings, n: int):
     return q, k, v
 
 
-def rank_kernels(settings: dict, kind: str, n: int) -> dict[str, float]:
-    """On every rank: median seconds of one forward and one backward ``kind`` kernel of side ``n``."""
+def rank_kernels(settings: dict, kind: str, n: int, pieces: int = 1) -> dict[str, float]:
+    """On every rank: median seconds of one forward and one backward ``kind`` kernel of side ``n``, or
+    of one stacked call of ``pieces`` such blocks (``kernels.forward_stacked``) when ``pieces > 1``."""
 
     s = Settings(**settings)
     comm = _comm()
-    q, k, v = _inputs(s, n)
+    q, k, v = _inputs(replace(s, batch=s.batch * pieces), n)
     block = BlockKind(kind)
     mask = None
     if block == BlockKind.PARTIAL:  # a band: every row attends a window around its diagonal
         idx = torch.arange(n)
         mask = (idx[:, None] - idx[None, :]).abs() < max(1, n // 4)
     scale = kernels.default_scale(s.head_dim)
-    out, lse = kernels.forward(q, k, v, block, scale, mask)
+    if pieces > 1:
+        def fwd_call():
+            return kernels.forward_stacked(q, k, v, block, scale, pieces)
+
+        def bwd_call():
+            return kernels.backward_stacked(dout, q, k, v, out, lse, block, scale, pieces)
+    else:
+        def fwd_call():
+            return kernels.forward(q, k, v, block, scale, mask)
+
+        def bwd_call():
+            return kernels.backward(dout, q, k, v, out, lse, block, scale, mask)
+    out, lse = fwd_call()
     out = out.to(q.dtype)
     dout = torch.randn_like(q)
-    fwd = _median_time(lambda: kernels.forward(q, k, v, block, scale, mask), s.reps, comm.barrier)
-    bwd = _median_time(lambda: kernels.backward(dout, q, k, v, out, lse, block, scale, mask), s.reps, comm.barrier)
+    fwd = _median_time(fwd_call, s.kernel_reps, comm.barrier)
+    bwd = _median_time(bwd_call, s.kernel_reps, comm.barrier)
     return {"forward": fwd, "backward": bwd}
 
 
@@ -207,8 +228,10 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
     cores = os.cpu_count() or 1
     threads = max(1, cores // settings.ranks)
     cfg = asdict(settings)
-    kernel_jobs = [(kind, n) for kind in ("full", "causal") for n in settings.sizes]
-    kernel_jobs += [("partial", n) for n in settings.partial_sizes]
+    kernel_jobs = [(kind, n, 1) for kind in ("full", "causal") for n in settings.sizes]
+    kernel_jobs += [(kind, n, max(1, settings.stacked_rows // n)) for kind in ("full", "causal")
+                    for n in settings.stacked_sizes]
+    kernel_jobs += [("partial", n, 1) for n in settings.partial_sizes]
     comm_jobs = [(op, b) for op in CALIBRATED_OPS for b in settings.message_bytes]
     total = len(kernel_jobs) + 1 + len(comm_jobs) + 1
     done = 0
@@ -223,13 +246,13 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
                       settings.kv_heads, settings.head_dim, settings.dtype)
     points: list[RatePoint] = []
     with LocalWorld(settings.ranks, threads=threads) as w:
-        for kind, n in kernel_jobs:
-            say(f"kernel {kind} {n}x{n}", done, total)
-            res = checked(w.run(rank_kernels, timeout=timeout, settings=cfg, kind=kind, n=n))
+        for kind, n, pieces in kernel_jobs:
+            say(f"kernel {kind} {n}x{n}" + (f" x {pieces} stacked" if pieces > 1 else ""), done, total)
+            res = checked(w.run(rank_kernels, timeout=timeout, settings=cfg, kind=kind, n=n, pieces=pieces))
             kernel = Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n)
             for phase in ("forward", "backward"):
-                seconds = max(r[phase] for r in res)
-                points.append(RatePoint(phase, kind, n, n, kernel.flops(problem, phase) / seconds))
+                seconds = max(r[phase] for r in res)  # per piece: the rate of one block of a stacked call
+                points.append(RatePoint(phase, kind, n, n, pieces * kernel.flops(problem, phase) / seconds))
             done += 1
         merge_n = max(settings.sizes)
         say("merge epilogue", done, total)

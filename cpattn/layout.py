@@ -177,6 +177,28 @@ def from_pieces(order: tuple[int, ...], seq_len: int, world: int, name: str) -> 
     return Layout.explicit(ranges, name=name)
 
 
+def source_ranges(chunk: int, chunk_len: int, seq_len: int, order: tuple[int, ...] | None
+                  ) -> list[tuple[int, int]]:
+    """Original ``[start, stop)`` token ranges, in order, of chunk ``chunk`` (``chunk_len`` tokens) of a
+    ``seq_len``-token sequence whose ``len(order)`` equal pieces the ranks hold in ``order`` (None:
+    contiguous, chunk i is tokens ``[i * chunk_len, (i + 1) * chunk_len)``)."""
+    start, end = chunk * chunk_len, (chunk + 1) * chunk_len
+    if order is None:
+        return [(start, end)]
+    piece = seq_len // len(order)
+    out: list[tuple[int, int]] = []
+    while start < end:
+        p, off = divmod(start, piece)
+        step = min(piece - off, end - start)
+        a = order[p] * piece + off
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], a + step)
+        else:
+            out.append((a, a + step))
+        start += step
+    return out
+
+
 def shard(x: torch.Tensor, layout: Layout, world: int, rank: int, dim: int = 1) -> torch.Tensor:
     """This rank's tokens of the full tensor ``x`` (sequence at ``dim``), contiguous."""
     seq_len = x.shape[dim]

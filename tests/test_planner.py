@@ -29,9 +29,11 @@ from cpattn.planner.partition_ilp import (
     solve,
     traffic,
 )
+from cpattn.planner.pricing import Pricing
 from cpattn.planner.schedule_ilp import schedule
 from cpattn.planner.tiling import allocate, fuse, fuse_all, owners
 from cpattn.schedules.ultra import Sizes
+from cpattn.steps import Kernel as CostKernel
 
 FAST = PlanOptions(time_budget=1.0, partition_time_limit=0.5, schedule_time_limit=0.5)
 
@@ -320,8 +322,10 @@ def test_request_errors_name_the_argument():
 def test_cpsat_schedule_is_no_longer_than_greedy():
     req = request("causal", 64, Topology(2, 2), 2, 4, 2, 8, "float32", FAST)
     plan = build_plan(req)
+    problem = Problem(64, 4, "causal", 2, 4, 2, 8, "float32")
+    pricing = Pricing(req.mask, 64, req.valid_len, req.order, req.topology.device, problem)
     graph = build_graph("forward", req.table, list(plan.forward.kernels), list(plan.owner), req.topology,
-                        Problem(64, 4, "causal", 2, 4, 2, 8, "float32"), Sizes(2, req.table.chunk, 4, 2, 8, 4, 4))
+                        Sizes(2, req.table.chunk, 4, 2, 8, 4, 4), pricing)
     greedy_makespan = simulate(graph.tasks).makespan
     result = schedule(graph.tasks, time_limit=1.0)
     assert result.timeline.makespan <= greedy_makespan + 1e-12
@@ -434,3 +438,38 @@ def test_validation_requires_one_order_per_pair_of_ranks():
                         Plan.from_json(json.dumps(data))
                     return
     pytest.fail("no receive followed by an independent send in this plan")
+
+
+# ------------------------------------------------------------------------------------ pricing
+def test_a_partial_cell_is_priced_as_the_cover_the_executor_runs():
+    """A 512-token cell holding four 128-token documents runs as four causal 128-token pieces in one
+    stacked call: four piece times, one launch. The dense masked rectangle would cost far more."""
+    topo = Topology(1, 2)
+    mask = masks.document([128] * 8)
+    problem = Problem(1024, 2, mask, 1, 8, 2, 64, "float32")
+    pricing = Pricing(mask, 1024, 1024, None, topo.device, problem)
+    table = bt.build(mask, 1024, 2)
+    assert table.kind(0, 0) == "partial"
+    dev = topo.device
+    for phase in ("forward", "backward"):
+        piece = dev.kernel_time(CostKernel("causal", 128, 128, 128 * 129 // 2), problem, phase)
+        assert pricing.seconds(table, "partial", (0,), (0,), phase) == pytest.approx(4 * piece - 3 * dev.launch)
+        dense = dev.kernel_time(CostKernel("partial", 512, 512, table.area[0]), problem, phase)
+        assert pricing.seconds(table, "partial", (0,), (0,), phase) < dense / 2
+    with pytest.raises(ValueError, match="one cell"):
+        pricing.seconds(table, "partial", (0, 1), (0,), "forward")
+
+
+def test_a_partial_cell_of_a_reordered_table_is_priced_at_its_original_tokens():
+    """Under a piece order the table's chunk i is other tokens: the cover is taken over them."""
+    mask = masks.document([24, 40, 64])
+    order = (1, 0)  # the second half of the sequence first
+    topo = Topology(1, 2)
+    problem = Problem(128, 2, mask, 1, 8, 2, 64, "float32")
+    table = bt.permute(bt.build(mask, 128, 2), order)
+    reordered = Pricing(mask, 128, 128, order, topo.device, problem)
+    plain = Pricing(mask, 128, 128, None, topo.device, problem)
+    # the second chunk of the reordered table is tokens 0..64 (documents 24 and 40): partial there
+    assert table.kind(1, 1) == "partial"
+    assert reordered.seconds(table, "partial", (1,), (1,), "forward") == pytest.approx(
+        plain.cell(64, 0, 0, "forward"))

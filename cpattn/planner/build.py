@@ -34,7 +34,6 @@ from ..layout import check_order
 from ..masks import Mask, resolve
 from ..schedules.ultra import Sizes
 from ..steps import DTYPE_BYTES, Problem
-from ..steps import Kernel as CostKernel
 from ..topology import Topology
 from . import block_table as bt
 from .block_table import BlockTable
@@ -42,6 +41,7 @@ from .kernel_graph import OUTPUTS, PHASES, KernelGraph
 from .kernel_graph import build as build_graph
 from .model import OP_KINDS, Op, PhasePlan, Plan, PlanOptions
 from .partition_ilp import MessageUnits, PartitionProblem, load_bound
+from .pricing import Pricing
 from .schedule_ilp import Scheduled, schedule
 from .tiling import allocate, fuse_all, owners
 from .validate import validate
@@ -70,20 +70,19 @@ def _lpt_ratio(table: BlockTable, devices: int, home: list[int], group: int, eps
     return load_bound(problem) / math.ceil((1 + eps) * total / devices)
 
 
-def _balanced_compute(table: BlockTable, topology: Topology, problem: Problem) -> float:
+def _balanced_compute(table: BlockTable, topology: Topology, pricing: Pricing) -> float:
     """Seconds of forward + backward kernels on the busiest rank when every cell runs as its own
-    kernel (cost model) and cells are placed longest first, diagonal cells on their owners: what the
-    granularity alone allows, before any communication."""
-    device, c = topology.device, table.chunk
+    kernel (cost model, ``pricing``) and cells are placed longest first, diagonal cells on their
+    owners: what the granularity alone allows, before any communication."""
     owner = owners(table.n, topology.world)
     times: dict[tuple[str, int], float] = {}
     load = [0.0] * topology.world
     free = []
     for i, j in table.cells():
-        key = (table.kind(i, j), table.area[i * table.n + j])
+        kind = table.kind(i, j)
+        key = (kind, table.area[i * table.n + j]) if kind != "partial" else (kind, i, j)
         if key not in times:
-            kernel = CostKernel(key[0], c, c, key[1])
-            times[key] = sum(device.kernel_time(kernel, problem, ph) for ph in PHASES)
+            times[key] = sum(pricing.seconds(table, kind, (i,), (j,), ph) for ph in PHASES)
         if i == j:
             load[owner[i]] += times[key]
         else:
@@ -119,10 +118,11 @@ def choose_granularity(mask: Mask, topology: Topology, problem: Problem, options
     finest = bt.build_cached(mask, seq_len, n_finest, valid_len)  # classified once, then coarsened
     if order is not None:
         finest = bt.permute(finest, order)
+    pricing = Pricing(mask, seq_len, seq_len if valid_len is None else valid_len, order, topology.device, problem)
     best = None
     for c in candidates:  # finer until the balanced compute time stops improving
         table = finest.coarsen(n_finest // (world * c))
-        seconds = _balanced_compute(table, topology, problem)
+        seconds = _balanced_compute(table, topology, pricing)
         if best is not None and seconds >= best[0]:
             break
         best = (seconds, table)
@@ -323,7 +323,7 @@ def _kernel_bounds(assign: dict[tuple[int, int], int], world: int) -> list[int]:
         b *= 2
 
 
-def _phase(req: Request, phase: str, problem: Problem, sizes: Sizes) -> PhasePlan:
+def _phase(req: Request, phase: str, problem: Problem, sizes: Sizes, pricing: Pricing) -> PhasePlan:
     topology, table, opts = req.topology, req.table, req.options
     owner = owners(table.n, topology.world)
     units = MessageUnits.for_phase(phase, req.heads, req.kv_heads)
@@ -334,7 +334,7 @@ def _phase(req: Request, phase: str, problem: Problem, sizes: Sizes) -> PhasePla
     best = None
     for bound in _kernel_bounds(levels.assign, topology.world):  # doubling; stop once it gets worse
         kernels = fuse_all(table, levels.assign, topology.world, bound)
-        graph = build_graph(phase, table, kernels, owner, topology, problem, sizes)
+        graph = build_graph(phase, table, kernels, owner, topology, sizes, pricing)
         makespan = simulate(graph.tasks).makespan
         if best is not None and makespan > best[0]:
             break
@@ -354,7 +354,8 @@ def build_plan(req: Request) -> Plan:
     problem = Problem(req.seq_len, req.topology.world, req.mask, req.batch, req.heads, req.kv_heads, req.head_dim,
                       req.dtype)
     sizes = Sizes(req.batch, req.table.chunk, req.heads, req.kv_heads, req.head_dim, problem.elem, problem.acc_elem)
-    phases = {name: _phase(req, name, problem, sizes) for name in PHASES}
+    pricing = Pricing(req.mask, req.seq_len, req.valid_len, req.order, req.topology.device, problem)
+    phases = {name: _phase(req, name, problem, sizes, pricing) for name in PHASES}
     plan = Plan(req.key(), req.table, tuple(owners(req.table.n, req.topology.world)), phases["forward"],
                 phases["backward"], time.perf_counter() - start)
     validate(plan)

@@ -26,10 +26,9 @@ from dataclasses import dataclass, replace
 from ..cost.plan_costs import merge_time
 from ..cost.simulator import Task, compute, transfer
 from ..schedules.ultra import ITEMS, Sizes
-from ..steps import Kernel as CostKernel
-from ..steps import Problem
 from ..topology import Topology
 from .block_table import BlockTable
+from .pricing import Pricing
 from .tiling import Kernel
 
 PHASES = ("forward", "backward")
@@ -159,19 +158,18 @@ def dependencies(phase: str, kernels: list[Kernel] | tuple[Kernel, ...],
 
 
 def build(phase: str, table: BlockTable, kernels: list[Kernel], owner: list[int], topology: Topology,
-          problem: Problem, sizes: Sizes) -> KernelGraph:
-    """The timed kernel graph of ``phase`` for ``kernels`` on ``topology`` (times from the cost model)."""
+          sizes: Sizes, pricing: Pricing) -> KernelGraph:
+    """The timed kernel graph of ``phase`` for ``kernels`` on ``topology`` (kernel times from
+    ``pricing``, the cost model's, as the executor runs each kernel)."""
     transfers = route(phase, kernels, owner, topology)
     deps = dependencies(phase, kernels, transfers, owner)
     device = topology.device
     tasks: list[Task] = []
     for k, kn in enumerate(kernels):
-        area = sum(table.area[i * table.n + j] for i in kn.rows for j in kn.cols)
-        ck = CostKernel(kn.kind, len(kn.rows) * table.chunk, len(kn.cols) * table.chunk, area)
         # the kernel's outputs are folded into per-chunk accumulators on the same lane, right after it
         folded = sum(len(kn.rows if per == "rows" else kn.cols) * sizes.item_bytes(item)
                      for item, per in OUTPUTS[phase])
-        seconds = device.kernel_time(ck, problem, phase) + merge_time(device, folded)
+        seconds = pricing.seconds(table, kn.kind, kn.rows, kn.cols, phase) + merge_time(device, folded)
         tasks.append(compute(f"c{k}", kn.device, seconds, deps[f"c{k}"]))
     for n, t in enumerate(transfers):
         nbytes = sizes.item_bytes(t.item)

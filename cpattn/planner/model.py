@@ -13,13 +13,14 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ..layout import source_ranges
 from ..schedules.ultra import Sizes
 from .block_table import BlockTable
 from .kernel_graph import PHASES, Transfer
 from .tiling import Kernel
 
 SCHEMA = "cpattn-plan"
-SCHEMA_VERSION = 4  # also bumped when the planner's output changes, so cached plans are rebuilt
+SCHEMA_VERSION = 5  # also bumped when the planner's output changes, so cached plans are rebuilt
 OP_KINDS = ("recv", "send", "compute", "merge")
 
 
@@ -127,23 +128,7 @@ class Plan:
 
     def source_ranges(self, chunk: int) -> list[tuple[int, int]]:
         """Original ``[start, stop)`` token ranges of plan chunk ``chunk``, in order."""
-        n = self.table.chunk
-        start, end = chunk * n, (chunk + 1) * n
-        order = self.order
-        if order is None:
-            return [(start, end)]
-        piece = int(self.key["seq_len"]) // len(order)
-        out: list[tuple[int, int]] = []
-        while start < end:
-            p, off = divmod(start, piece)
-            step = min(piece - off, end - start)
-            a = order[p] * piece + off
-            if out and out[-1][1] == a:
-                out[-1] = (out[-1][0], a + step)
-            else:
-                out.append((a, a + step))
-            start += step
-        return out
+        return source_ranges(chunk, self.table.chunk, int(self.key["seq_len"]), self.order)
 
     def phase(self, name: str) -> PhasePlan:
         if name not in PHASES:
