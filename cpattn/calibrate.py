@@ -53,7 +53,7 @@ class Settings:
 
     sizes: tuple[int, ...] = (256, 512, 1024, 2048)
     partial_sizes: tuple[int, ...] = (256, 512)
-    stacked_sizes: tuple[int, ...] = (16, 64)
+    stacked_sizes: tuple[int, ...] = (4, 16, 64)
     stacked_rows: int = 2048
     message_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
     reps: int = 3
