@@ -446,8 +446,12 @@ def render(result: dict):
             "sent MB/rank", "wire MB/rank", "recv MB/rank", "peak MB/rank", "layout work max/mean", "max rel err"]
     if predicted:
         cols += ["pred fwd ms", "pred fwd+bwd ms", "pred err"]
-    for col in cols:
-        t.add_column(col, justify="left" if col == "schedule" else "right")
+    names = [r["schedule"] for r in result["rows"]]
+    for col in cols:  # schedule names are never cut short; long header words fold
+        if col == "schedule":
+            t.add_column(col, justify="left", no_wrap=True, min_width=max(map(len, [col, *names])))
+        else:
+            t.add_column(col, justify="right", overflow="fold")
     for r in result["rows"]:
         if not r["ok"]:
             t.add_row(r["schedule"], "[red]" + r["note"][:80] + "[/red]", *[""] * (len(cols) - 2))

@@ -4,6 +4,7 @@ rendered table and the JSON file say what the timings say."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 
@@ -181,3 +182,24 @@ def test_bench_cli_with_mask_spec_topology_and_plot(tmp_path, capsys):
 def test_bench_rejects_bad_arguments_before_starting(capsys):
     assert cli.main(["bench", "--mask", "diagonal"]) == 2
     assert "diagonal" in capsys.readouterr().err
+
+
+def test_a_wide_table_keeps_every_schedule_name_and_header_whole(capsys, monkeypatch):
+    """Outside a terminal the table prints at its natural width (nothing folded or cropped); in a
+    narrow terminal the long headers fold, but a schedule name is never shortened."""
+    from rich.console import Console
+
+    from cpattn.cli import output
+
+    flex = {"fwd_s": 0.03, "compile_s": 12.0, "mask_mod": "arithmetic", "error": 2e-7, "fwd_mask_efficiency": 0.9}
+    result = _synthetic(predicted=True, masked=True, flex=flex)
+    output.show_wide(bench.render(result))  # pytest's captured stdout is not a terminal
+    out = capsys.readouterr().out
+    for text in ("zigzag_ring", "allgather", "TFLOP/s/rank", "vs zigzag_ring", "layout work max/mean", "pred err",
+                 "+25%", "not modelled"):
+        assert text in out, text
+    assert "…" not in out
+    narrow = Console(width=100, file=io.StringIO(), color_system=None)
+    narrow.print(bench.render(result))
+    text = narrow.file.getvalue()
+    assert "zigzag_ring " in text and "allgather" in text and max(map(len, text.splitlines())) <= 100

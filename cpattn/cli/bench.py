@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import args as a
-from .output import stderr, stdout
+from .output import show_wide, stderr, stdout
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -111,7 +111,7 @@ def run(args) -> int:
                                flex=args.flex)
         if args.predict:
             bench.predict(result, profile)
-        stdout().print(bench.render(result))
+        show_wide(bench.render(result))
         results.append(result)
     if args.predict:
         summary = bench.prediction_summary(results)

@@ -12,6 +12,18 @@ def stdout():
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
+def show_wide(renderable) -> None:
+    """Print ``renderable`` (a wide table) to stdout: in a terminal at its width (long headers fold);
+    elsewhere (CI logs, pipes, files) as wide as the table's natural width, so no column is folded or
+    cropped."""
+    from rich.measure import Measurement
+
+    out = stdout()
+    if not sys.stdout.isatty():
+        out.width = max(out.width, Measurement.get(out, out.options.update(width=10_000), renderable).maximum)
+    out.print(renderable)
+
+
 def stderr():
     """Progress, status lines, "wrote ..." and errors."""
     from rich.console import Console
@@ -19,4 +31,4 @@ def stderr():
     return Console(stderr=True)
 
 
-__all__ = ["stderr", "stdout"]
+__all__ = ["show_wide", "stderr", "stdout"]
