@@ -44,6 +44,7 @@ class Block:
     kind: BlockKind  # FULL, CAUSAL or PARTIAL (never EMPTY)
     mask: torch.Tensor | None = None  # bool [q rows, kv rows] for PARTIAL
     flip: bool = False  # CAUSAL on reversed rows and keys: local row i attends local columns >= i
+    pairs: int | None = None  # PARTIAL without its mask (a shape to price): its allowed pairs
 
     def dense(self) -> torch.Tensor:
         """Boolean ``[q rows, kv rows]``: which local pairs this block computes."""
@@ -63,7 +64,7 @@ class Block:
             return n * m
         if self.kind == BlockKind.CAUSAL:
             return n * (n + 1) // 2
-        return int(self.mask.sum())
+        return int(self.mask.sum()) if self.mask is not None else int(self.pairs)
 
 
 def _parts(ranges: Sequence[tuple[int, int]], valid_len: int | None) -> list[tuple[int, int, int]]:
@@ -126,24 +127,32 @@ def _fuse_full(blocks: list[Block]) -> list[Block]:
 
 
 def rectangles(mask: Mask, q_ranges: Sequence[tuple[int, int]], kv_ranges: Sequence[tuple[int, int]],
-               valid_len: int | None = None, tile: int = PARTIAL_TILE) -> list[Block]:
+               valid_len: int | None = None, tile: int = PARTIAL_TILE, dense: bool = True) -> list[Block]:
     """Blocks for local queries at global ``q_ranges`` against local keys at ``kv_ranges`` (both in
-    local order). Positions ``>= valid_len`` are padding and never covered."""
+    local order). Positions ``>= valid_len`` are padding and never covered. ``dense=False``: the same
+    blocks with PARTIAL ones carrying their pair count instead of their mask (shapes to price, several
+    times cheaper to make)."""
     out: list[Block] = []
     for qa, qb, qo in _parts(q_ranges, valid_len):
         for ka, kb, ko in _parts(kv_ranges, valid_len):
             rects: list[tuple[int, int, int, int, BlockKind, bool]] = []
             _split(mask, qa, qb, ka, kb, tile, rects)
             for a, b, c, d, kind, flip in rects:
-                dense = None
+                allowed, pairs = None, None
                 if kind == BlockKind.PARTIAL:  # a cover's band tile may be cut down to nothing, or to all
-                    dense = mask.dense(a, b, c, d)
-                    if not bool(dense.any()):
+                    if dense:
+                        allowed = mask.dense(a, b, c, d)
+                        pairs = int(allowed.sum())
+                    else:
+                        pairs = mask.count(a, b, c, d)
+                    if pairs == 0:
                         continue
-                    if bool(dense.all()):
-                        kind, dense = BlockKind.FULL, None
-                out.append(Block(slice(qo + a - qa, qo + b - qa), slice(ko + c - ka, ko + d - ka), kind, dense,
-                                 flip))
+                    if pairs == (b - a) * (d - c):
+                        kind, allowed, pairs = BlockKind.FULL, None, None
+                    elif dense:
+                        pairs = None
+                out.append(Block(slice(qo + a - qa, qo + b - qa), slice(ko + c - ka, ko + d - ka), kind, allowed,
+                                 flip, pairs))
     return _fuse_full(out)
 
 

@@ -186,7 +186,9 @@ def _block_range(a: int, b: int, bs: int) -> torch.Tensor:
 
 class Mask:
     """Base class. ``name`` identifies the kind of mask; ``is_causal`` is True when query i never
-    attends a key j > i (lets causal-only schedules accept the mask).
+    attends a key j > i (lets causal-only schedules accept the mask); ``shift_invariant`` is True when
+    whether query i attends key j depends on i - j alone (full, causal, sliding windows), so layouts
+    that interleave ranks may share the classification of rank pairs at equal offsets.
 
     Subclasses give ``mask_mod`` (and so ``dense``) and ``classify``; the defaults of ``classify`` and
     ``row_counts`` evaluate ``dense`` in row chunks, which is exact but O(rows x columns).
@@ -194,6 +196,7 @@ class Mask:
 
     name: str = "mask"
     is_causal: bool = False
+    shift_invariant: bool = False
 
     def mask_mod(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         """Per-pair definition: bool tensor, broadcasting ``q_idx`` against ``kv_idx`` (global positions)."""
@@ -349,6 +352,7 @@ def _positive(name: str, value, minimum: int = 1) -> int:
 class FullMask(IntervalMask):
     name = "full"
     is_causal = False
+    shift_invariant = True
 
     def classify(self, q0: int, q1: int, k0: int, k1: int) -> BlockKind:
         _check_rect(q0, q1, k0, k1)
@@ -370,6 +374,7 @@ class CausalMask(IntervalMask):
 
     name = "causal"
     is_causal = True
+    shift_invariant = True
 
     def classify(self, q0: int, q1: int, k0: int, k1: int) -> BlockKind:
         _check_rect(q0, q1, k0, k1)
@@ -403,6 +408,7 @@ class SlidingWindowMask(IntervalMask):
     window: int
     causal: bool = True
     name = "sliding_window"
+    shift_invariant = True
 
     def __post_init__(self) -> None:
         _positive("sliding_window window", self.window)

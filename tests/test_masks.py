@@ -251,6 +251,30 @@ def test_striped_blocks_of_any_mask_cover_exactly_the_allowed_pairs(spec, world,
             assert int(got.max()) <= 1 and torch.equal(got.bool(), want), (spec, world, valid, r, j)
 
 
+@pytest.mark.parametrize("mask", [masks.sliding_window(24), masks.sliding_window(70), masks.sliding_window(9, False),
+                                  masks.causal(), masks.full()])
+def test_striped_pairs_of_a_shift_invariant_mask_are_shared_by_rank_offset(mask):
+    """Under a mask that depends on q - k alone, the striped work of (q_rank, kv_rank) is that of any
+    pair at the same offset: ``StripedPairs`` classifies 2P - 1 pairs and gives every pair exactly what
+    classifying it on its own gives."""
+    from cpattn.pairs import work
+    from cpattn.schedules.stripe_ring import StripedPairs
+    from cpattn.steps import Kernel
+
+    assert mask.shift_invariant and not masks.document([128, 128]).shift_invariant
+    world, seq = 4, 256
+    shared = StripedPairs(mask, seq, world)
+    for r in range(world):
+        for j in range(world):
+            own = work((Kernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area), 1)
+                       for b in striped_blocks(mask, seq, world, r, j, tile=16))
+            alone = work((Kernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area), 1)
+                         for b in striped_blocks(mask, seq, world, r, j))
+            assert shared.pair(r, j) == alone, (r, j)
+            assert sum(k.area * n for k, n in own) == sum(k.area * n for k, n in alone)
+    assert len(shared._cache) == 2 * world - 1
+
+
 def test_explicit_layouts_validate_and_roundtrip():
     lay = layout.Layout.explicit([[(0, 2), (6, 8)], [(2, 6)]])
     assert lay.positions(8, 2, 0).tolist() == [0, 1, 6, 7] and lay.padded_len(7, 2) == 8

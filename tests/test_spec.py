@@ -50,6 +50,41 @@ def test_run_matches_steps(worlds, case):
     assert result.passed, result.describe()
 
 
+def _local_first_cases() -> list[verify.Case]:
+    """RingX owner loops under masks whose diagonal blocks outweigh the rest (a window narrower than a
+    rank's tokens, short documents), where every rank computes its diagonal before the shared steps."""
+    from cpattn.layout import Layout
+    from cpattn.masks import from_spec
+    from cpattn.pairs import pair_work
+
+    cases = []
+    specs = [("sliding_window", {"window": 5}), ("sliding_window", {"window": 4, "causal": False}),
+             ("document", {"lengths": [6] * 8})]
+    for name in ("ringx1", "ringx1o", "ringx2", "ringx2o", "ringx4", "ringx4o"):
+        for world in (2, 3, 4):
+            for case in verify.matrix([name], worlds=(world,), subgroup=False, masks=specs, dtypes=("float32",),
+                                      heads=((12, 4),), seq=48, seed=900 + 10 * world):
+                sched = schedules.get(name)
+                mask = from_spec({"kind": case.mask, **(case.mask_args or {})})
+                pairs = pair_work(mask, Layout(sched.layout_for(mask)), 48, world)
+                if sched._local_first(pairs, "forward") or sched._local_first(pairs, "backward"):
+                    cases.append(dataclasses.replace(case, head_dim=8))
+    return cases
+
+
+LOCAL_FIRST = _local_first_cases()
+
+
+def test_local_first_cases_cover_every_owner_loop():
+    assert {c.schedule for c in LOCAL_FIRST} == {"ringx1", "ringx1o", "ringx2", "ringx2o", "ringx4", "ringx4o"}
+
+
+@pytest.mark.parametrize("case", LOCAL_FIRST, ids=[c.label for c in LOCAL_FIRST])
+def test_run_matches_steps_when_diagonals_go_first(worlds, case):
+    result = verify.run(worlds.get(case.world), case)
+    assert result.passed, result.describe()
+
+
 # ---------------------------------------------------------------------------------- a serialised ring
 def serialised_ring_case(**fields) -> dict:
     """On every rank: ``verify.rank_case`` with the ring's forward changed to wait for each transfer

@@ -28,7 +28,8 @@ class Pricing:
                  problem: Problem) -> None:
         self.mask, self.seq_len, self.valid_len, self.order = mask, seq_len, valid_len, order
         self.device, self.problem = device, problem
-        self._covers: dict[tuple[int, int, int, str], float] = {}
+        self._covers: dict[tuple[int, int, int], tuple[list[CostKernel], int]] = {}
+        self._seconds: dict[tuple[int, int, int, str], float] = {}
 
     def seconds(self, table: BlockTable, kind: str, rows: tuple[int, ...], cols: tuple[int, ...],
                 phase: str) -> float:
@@ -45,15 +46,21 @@ class Pricing:
         """The cover of cell (i, j) of a table of ``chunk``-token chunks: every piece's kernel time, less
         the launches that stacking saves."""
         key = (chunk, i, j, phase)
-        if key not in self._covers:
+        if key not in self._seconds:
+            pieces, calls = self._cover(chunk, i, j)
+            self._seconds[key] = (sum(self.device.kernel_time(k, self.problem, phase) for k in pieces)
+                                  - self.device.launch * (len(pieces) - calls))
+        return self._seconds[key]
+
+    def _cover(self, chunk: int, i: int, j: int) -> tuple[list[CostKernel], int]:
+        """The cover of cell (i, j) as kernels (shapes and pair counts, no masks) and its stacked calls."""
+        if (chunk, i, j) not in self._covers:
             rows = source_ranges(i, chunk, self.seq_len, self.order)
             cols = source_ranges(j, chunk, self.seq_len, self.order)
-            cover = blocks.rectangles(self.mask, rows, cols, self.valid_len)
-            pieces = sum(self.device.kernel_time(
-                CostKernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area), self.problem, phase)
-                for b in cover)
-            self._covers[key] = pieces - self.device.launch * (len(cover) - len(blocks.batches(cover)))
-        return self._covers[key]
+            cover = blocks.rectangles(self.mask, rows, cols, self.valid_len, dense=False)
+            pieces = [CostKernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area) for b in cover]
+            self._covers[(chunk, i, j)] = (pieces, len(blocks.batches(cover)))
+        return self._covers[(chunk, i, j)]
 
 
 __all__ = ["Pricing"]

@@ -29,13 +29,14 @@ dk/dv: forward P broadcasts (send Q once, receive (P-1) Q), P all-reduces of R (
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from ..kernels import acc_dtype
-from ..merge import start_distributed_merge
-from ..pairs import PairWork, pair_work
-from ..steps import CommOp, Problem, Step, Work, distribution
+from ..merge import merge_into, start_distributed_merge
+from ..pairs import PairWork, TriangularPairs, pair_work
+from ..steps import CommOp, Problem, Step, Work, area, distribution
 from ..topology import Topology
 from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
 
@@ -76,6 +77,34 @@ class RingX1(Schedule):
         by = pairs.by_q_rank if self.travels(phase) == "q" else pairs.by_kv_rank
         return [i for i in range(pairs.world) if sum(n for w, n in by(i) if w) > bool(pairs.pair(i, i))]
 
+    def _step_pairs(self, pairs: PairWork, phase: str, i: int) -> tuple[tuple[Work, int], ...]:
+        """Over ranks: the work of owner i's step of ``phase`` (q_i against each rank's kv when q
+        travels, each rank's q against kv_i when kv does)."""
+        return pairs.by_q_rank(i) if self.travels(phase) == "q" else pairs.by_kv_rank(i)
+
+    def _local_first(self, pairs: PairWork, phase: str) -> bool:
+        """Whether every rank computes its own diagonal block before the shared steps (and skips it in
+        its own step). The steps are lock-step, so owner i's step lasts as long as its busiest rank:
+        when the diagonal blocks outweigh the rest (a window or short documents on the zigzag layout)
+        every step waits for one owner's diagonal, P diagonals one after the other, where computing
+        them first takes the time of one. Chosen when it lowers the sum over steps of the busiest
+        rank's allowed pairs; never for the causal and full masks, whose layouts balance each step."""
+        if pairs.world == 1 or isinstance(pairs, TriangularPairs):  # the causal and full masks
+            return False
+        owners = self._owners(pairs, phase)
+        lockstep = sum(max((area(w) for w, _ in self._step_pairs(pairs, phase, i)), default=0) for i in owners)
+        first = max(area(pairs.pair(r, r)) for r in range(pairs.world))
+        rest = sum(max((area(w) for w, _ in self._without_owner(pairs, phase, i)), default=0) for i in owners)
+        return first + rest < lockstep
+
+    def _without_owner(self, pairs: PairWork, phase: str, i: int) -> tuple[tuple[Work, int], ...]:
+        """Owner i's step with the owner's own (diagonal) work taken out."""
+        dist = dict(self._step_pairs(pairs, phase, i))
+        own = pairs.pair(i, i)
+        dist[own] -= 1
+        dist[()] = dist.get((), 0) + 1
+        return distribution(w for w, n in dist.items() for _ in range(n))
+
     @staticmethod
     def _run_pairs(rt: Runtime) -> PairWork:
         """The pair work :meth:`steps` reads (:func:`~cpattn.pairs.pair_work` of the padded problem), so
@@ -93,9 +122,10 @@ class RingX1(Schedule):
 
     def forward(self, rt: Runtime, q, k, v):
         r = rt.rank
-        owners = self._owners(self._run_pairs(rt), "forward")
+        pairs = self._run_pairs(rt)
+        owners, first = self._owners(pairs, "forward"), self._local_first(pairs, "forward")
         result = new_accumulators(q)
-        if r not in owners:
+        if first or r not in owners:
             attend(rt, q, k, v, rt.blocks(r, [r]), *result)
         incoming = self._broadcast(rt, q, owners, 0)
         merging = None  # (owner, pending distributed merge) of the previous step
@@ -105,34 +135,42 @@ class RingX1(Schedule):
                 incoming = self._broadcast(rt, q, owners, n + 1)
             handle.wait()
             out_i, lse_i = new_accumulators(q_i)  # stays (0, -inf) where kv_r has nothing for q_i
-            attend(rt, q_i, k, v, rt.blocks(i, [r]), out_i, lse_i)
+            if not (first and i == r):
+                attend(rt, q_i, k, v, rt.blocks(i, [r]), out_i, lse_i)
             if merging is not None:
-                result = self._land(r, merging, result)
+                result = self._land(r, merging, result, first)
             merging = (i, start_distributed_merge(out_i, lse_i, i, rt.comm))
             if not self.overlap:
-                result = self._land(r, merging, result)
+                result = self._land(r, merging, result, first)
                 merging = None
                 incoming = self._broadcast(rt, q, owners, n + 1)
         if merging is not None:
-            result = self._land(r, merging, result)
+            result = self._land(r, merging, result, first)
         out, lse = result
         return out.to(q.dtype), lse
 
     @staticmethod
-    def _land(rank: int, merging, result):
-        """Wait for a distributed merge; the owner's result replaces ``result`` (fresh tensors)."""
+    def _land(rank: int, merging, result, first: bool = False):
+        """Wait for a distributed merge; on the owner the merged result replaces ``result`` (fresh
+        tensors), or is merged into it when the owner computed its diagonal first."""
         owner, pending = merging
         merged = pending.wait()
-        return merged if owner == rank else result
+        if owner != rank:
+            return result
+        if first:
+            merge_into(*result, *merged)
+            return result
+        return merged
 
     def backward(self, rt: Runtime, dout, q, k, v, out, lse):
         r = rt.rank
         acc = acc_dtype(q.dtype)
         kv = torch.stack([k, v])  # one broadcast per step: [2, b, s, h_kv, d]
-        owners = self._owners(self._run_pairs(rt), "backward")
+        pairs = self._run_pairs(rt)
+        owners, first = self._owners(pairs, "backward"), self._local_first(pairs, "backward")
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        if r not in owners:
+        if first or r not in owners:
             attend_backward(rt, dout, q, k, v, out, lse, rt.blocks(r, [r]), dq, dkv[0], dkv[1])
         incoming = self._broadcast(rt, kv, owners, 0)
         reducing = None  # (owner, buffer, handle) of the previous step's dk/dv reduce
@@ -142,24 +180,29 @@ class RingX1(Schedule):
                 incoming = self._broadcast(rt, kv, owners, n + 1)
             handle.wait()
             dkv_i = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            attend_backward(rt, dout, q, kv_i[0], kv_i[1], out, lse, rt.blocks(r, [i]), dq, dkv_i[0], dkv_i[1])
+            if not (first and i == r):
+                attend_backward(rt, dout, q, kv_i[0], kv_i[1], out, lse, rt.blocks(r, [i]), dq, dkv_i[0],
+                                dkv_i[1])
             if reducing is not None:
-                dkv = self._land_reduce(r, reducing, dkv)
+                dkv = self._land_reduce(r, reducing, dkv, first)
             reducing = (i, dkv_i, rt.comm.reduce(dkv_i, dst=i, async_op=True))
             if not self.overlap:
-                dkv = self._land_reduce(r, reducing, dkv)
+                dkv = self._land_reduce(r, reducing, dkv, first)
                 reducing = None
                 incoming = self._broadcast(rt, kv, owners, n + 1)
         if reducing is not None:
-            dkv = self._land_reduce(r, reducing, dkv)
+            dkv = self._land_reduce(r, reducing, dkv, first)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
     @staticmethod
-    def _land_reduce(rank: int, reducing, dkv: torch.Tensor) -> torch.Tensor:
-        """Wait for a dk/dv reduce; on its owner the reduced buffer is the result."""
+    def _land_reduce(rank: int, reducing, dkv: torch.Tensor, first: bool = False) -> torch.Tensor:
+        """Wait for a dk/dv reduce; on its owner the reduced buffer is the result (plus the owner's
+        own diagonal gradients when it computed them first)."""
         owner, buf, handle = reducing
         handle.wait()
-        return buf if owner == rank else dkv
+        if owner != rank:
+            return dkv
+        return buf.add_(dkv) if first else buf
 
     # ------------------------------------------------------------------ steps
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
@@ -188,7 +231,9 @@ class RingX1(Schedule):
     def _owner_steps(self, problem: Problem, phase: str, payload: int, work_of: OwnerWork, after: OwnerOps,
                      land: OwnerOps, live: int) -> list[Step]:
         """The steps of ``phase``, as :meth:`forward` / :meth:`backward` run them. Ranks owning a step
-        nobody shares first compute their own diagonal, before any communication. Then, per owner i:
+        nobody shares first compute their own diagonal, before any communication, and so does every
+        rank when :meth:`_local_first` (then an owner has nothing to compute in its own step). Then,
+        per owner i:
         the broadcast of ``payload`` bytes from i, the compute ``work_of(i)``, the blocking ops
         ``after(i)`` and the asynchronous ops ``land(i)``. Without overlap each owner's step runs
         all of these one after the other. With overlap the first broadcast runs alone; owner n's
@@ -196,14 +241,16 @@ class RingX1(Schedule):
         right after it; ``after`` follows the compute; the last ``land`` ops run after the loop.
         ``live``: bytes alive in every step."""
         p, pairs = problem.world, self.pairs(problem)
-        owners = self._owners(pairs, phase)
+        owners, first = self._owners(pairs, phase), self._local_first(pairs, phase)
         shared = set(owners)
         steps = []
-        if len(shared) < p:
-            local = distribution(() if r in shared else pairs.pair(r, r) for r in range(p))
+        if first or len(shared) < p:
+            local = distribution(pairs.pair(r, r) if first or r not in shared else () for r in range(p))
             steps.append(Step(local, live_bytes=live))
         if not owners:
             return steps
+        if first:
+            work_of = partial(self._without_owner, pairs, phase)
 
         def bcast(i: int) -> tuple[CommOp, ...]:
             return (CommOp("broadcast", payload, root=i),)

@@ -42,8 +42,9 @@ class RingX4(RingX1):
         r = rt.rank
         out, lse = new_accumulators(q)
         kv = torch.stack([k, v])
-        owners = self._owners(self._run_pairs(rt), "forward")
-        if r not in owners:
+        pairs = self._run_pairs(rt)
+        owners, first = self._owners(pairs, "forward"), self._local_first(pairs, "forward")
+        if first or r not in owners:
             attend(rt, q, k, v, rt.blocks(r, [r]), out, lse)
         incoming = self._broadcast(rt, kv, owners, 0)
         for n, i in enumerate(owners):
@@ -51,7 +52,8 @@ class RingX4(RingX1):
             if self.overlap:
                 incoming = self._broadcast(rt, kv, owners, n + 1)
             handle.wait()
-            attend(rt, q, kv_i[0], kv_i[1], rt.blocks(r, [i]), out, lse)
+            if not (first and i == r):
+                attend(rt, q, kv_i[0], kv_i[1], rt.blocks(r, [i]), out, lse)
             if not self.overlap:
                 incoming = self._broadcast(rt, kv, owners, n + 1)
         return out.to(q.dtype), lse

@@ -126,15 +126,18 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
 
 class StripedPairs(PairWork):
     """The kernel calls of every (query rank, key rank) pair on the striped layout, from
-    :func:`striped_blocks` (classified once per pair)."""
+    :func:`striped_blocks` (classified once per pair). Under a shift-invariant mask (full, causal, a
+    sliding window) local row i of rank r is global ``i P + r``, so a pair's blocks depend only on
+    ``q_rank - kv_rank``: 2P - 1 classifications instead of P^2 (a sliding window at 64 ranks and 1M
+    tokens took minutes)."""
 
     def __init__(self, mask: Mask, seq_len: int, world: int) -> None:
         super().__init__(world)
         self.mask, self.seq_len = mask, seq_len
-        self._cache: dict[tuple[int, int], Work] = {}
+        self._cache: dict[tuple[int, ...], Work] = {}
 
     def pair(self, q_rank: int, kv_rank: int) -> Work:
-        key = (q_rank, kv_rank)
+        key = (q_rank - kv_rank,) if self.mask.shift_invariant else (q_rank, kv_rank)
         if key not in self._cache:
             self._cache[key] = work(
                 (Kernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area), 1)
