@@ -261,3 +261,18 @@ def test_attend_matches_float64_reference(mask, world_layout):
         torch.testing.assert_close(dq.double(), leaves[0].grad[:, qi], atol=2e-5, rtol=1e-5, msg=f"seed {seed}")
     torch.testing.assert_close(dk.double(), leaves[1].grad, atol=2e-5, rtol=1e-5, msg=f"seed {seed}")
     torch.testing.assert_close(dv.double(), leaves[2].grad, atol=2e-5, rtol=1e-5, msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("mask", [masks.sliding_window(40), masks.sliding_window(600), masks.document([5] * 40 + [824]),
+                                  masks.streaming(4, 2, 16), masks.sliding_window(64) & masks.document([300, 724])])
+def test_a_cover_without_masks_has_the_same_pieces_and_pair_counts(mask):
+    """``rectangles(..., dense=False)`` (what the planner prices) gives the blocks the executor runs,
+    PARTIAL ones with their pair count instead of their mask."""
+    for rows, cols in [([(0, 1024)], [(0, 1024)]), ([(256, 512), (768, 1024)], [(0, 256), (512, 768)])]:
+        full = blocks.rectangles(mask, rows, cols)
+        shapes = blocks.rectangles(mask, rows, cols, dense=False)
+        assert [(b.q, b.kv, b.kind, b.flip, b.area) for b in full] == \
+            [(b.q, b.kv, b.kind, b.flip, b.area) for b in shapes]
+        assert all(b.mask is None for b in shapes)
+        if isinstance(mask, masks.SlidingWindowMask) and mask.window < 512:  # band tiles: PARTIAL pieces
+            assert any(b.kind == BlockKind.PARTIAL for b in full)
