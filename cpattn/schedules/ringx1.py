@@ -29,7 +29,7 @@ dk/dv: forward P broadcasts (send Q once, receive (P-1) Q), P all-reduces of R (
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 
@@ -83,6 +83,10 @@ class RingX1(Schedule):
         return pairs.by_q_rank(i) if self.travels(phase) == "q" else pairs.by_kv_rank(i)
 
     def _local_first(self, pairs: PairWork, phase: str) -> bool:
+        """:meth:`_decide_local_first`, cached per (schedule, pair work, phase)."""
+        return _local_first_cached(self, pairs, phase)
+
+    def _decide_local_first(self, pairs: PairWork, phase: str) -> bool:
         """Whether every rank computes its own diagonal block before the shared steps (and skips it in
         its own step). The steps are lock-step, so owner i's step lasts as long as its busiest rank:
         when the diagonal blocks outweigh the rest (a window or short documents on the zigzag layout)
@@ -267,6 +271,13 @@ class RingX1(Schedule):
         if land(owners[-1]):
             steps.append(Step((), land(owners[-1]), overlap=False, live_bytes=live))
         return steps
+
+
+@lru_cache(maxsize=64)
+def _local_first_cached(schedule: RingX1, pairs: PairWork, phase: str) -> bool:
+    """:meth:`RingX1._decide_local_first`, once per (schedule, pair work, phase): the forward and the
+    backward of every call ask (a few milliseconds at 64 ranks)."""
+    return schedule._decide_local_first(pairs, phase)
 
 
 class RingX1o(RingX1):
