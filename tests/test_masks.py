@@ -275,6 +275,22 @@ def test_striped_pairs_of_a_shift_invariant_mask_are_shared_by_rank_offset(mask)
     assert len(shared._cache) == 2 * world - 1
 
 
+@pytest.mark.parametrize("mask", [masks.document([13, 40, 7, 100, 96]), masks.sliding_window(37),
+                                  masks.sliding_window(11, False), masks.streaming(4, 3, 8),
+                                  masks.sliding_window(30) & masks.document([100, 156])])
+def test_striped_shapes_to_price_match_the_blocks_that_run(mask):
+    """``striped_blocks(..., dense=False)`` (counts from key intervals, spans classified once) gives the
+    blocks the run uses, PARTIAL ones with their pair count instead of their mask."""
+    world, seq, spans = 4, 256, {}
+    for r in range(world):
+        for j in range(world):
+            run = striped_blocks(mask, seq, world, r, j, tile=16)
+            priced = striped_blocks(mask, seq, world, r, j, tile=16, spans=spans, dense=False)
+            assert [(b.q, b.kv, b.kind, b.area) for b in run] == [(b.q, b.kv, b.kind, b.area) for b in priced]
+            assert all(b.mask is None for b in priced)
+    assert spans  # classified once, shared by the pairs
+
+
 def test_explicit_layouts_validate_and_roundtrip():
     lay = layout.Layout.explicit([[(0, 2), (6, 8)], [(2, 6)]])
     assert lay.positions(8, 2, 0).tolist() == [0, 1, 6, 7] and lay.padded_len(7, 2) == 8

@@ -29,7 +29,17 @@ import torch
 from .. import blocks
 from ..blocks import PARTIAL_TILE, Block
 from ..layout import Layout
-from ..masks import BlockKind, BlockTableMask, CausalMask, FullMask, GlobalLocalMask, Mask, StreamingMask, StridedMask
+from ..masks import (
+    BlockKind,
+    BlockTableMask,
+    CausalMask,
+    FullMask,
+    GlobalLocalMask,
+    IntervalMask,
+    Mask,
+    StreamingMask,
+    StridedMask,
+)
 from ..pairs import PairWork
 from ..steps import Kernel, Problem, Work, work
 from .base import Runtime
@@ -51,23 +61,46 @@ _cell_kinds = lru_cache(maxsize=16)(_cell_kinds_uncached)
 
 
 def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: int, valid_len: int | None = None,
-                   tile: int = PARTIAL_TILE) -> list[Block]:
+                   tile: int = PARTIAL_TILE, spans: dict | None = None, dense: bool = True) -> list[Block]:
     """Blocks of ``q_rank``'s queries against ``kv_rank``'s keys on the striped layout, where local row i
     of rank r is global position ``i P + r``. ``seq_len``: the (padded) length the layout splits;
-    positions ``>= valid_len`` are padding and never covered."""
+    positions ``>= valid_len`` are padding and never covered. ``spans``: a dict that keeps the
+    classification of global spans across calls for the same (mask, seq_len, world, valid_len); the
+    spans do not depend on the ranks, so classifying every rank pair asks the same ones P^2 times.
+    ``dense=False``: PARTIAL blocks carry their pair count instead of their mask (shapes to price),
+    counted from the mask's key intervals when it has one per row."""
     if isinstance(mask, CausalMask | FullMask):
         return blocks.for_ranks(mask, STRIPED, seq_len, world, q_rank, [kv_rank], valid_len)
-    p = world
+    p, do_dense = world, dense
     valid = seq_len if valid_len is None else valid_len
     out: list[Block] = []
 
+    def strided_count(a: int, b: int, c: int, d: int) -> int:
+        """Allowed pairs of local rows [a, b) x local columns [c, d), from one key interval per row:
+        the local columns j with lo <= j P + kv_rank < hi are [ceil((lo - kv_rank) / P), ...)."""
+        qp = torch.arange(a, b) * p + q_rank
+        lo, hi = (t[:, 0] for t in mask.intervals(qp, c * p + kv_rank, (d - 1) * p + kv_rank + 1))
+        first = -torch.div(kv_rank - lo, p, rounding_mode="floor")  # ceil((lo - kv_rank) / p)
+        stop = -torch.div(kv_rank - hi, p, rounding_mode="floor")
+        return int((stop.clamp(max=d) - first.clamp(min=c)).clamp(min=0).sum())
+
     def dense(a: int, b: int, c: int, d: int) -> None:
+        if not do_dense and isinstance(mask, IntervalMask) and mask.width(c * p, d * p) == 1:
+            pairs = strided_count(a, b, c, d)
+            if pairs == (b - a) * (d - c):
+                out.append(Block(slice(a, b), slice(c, d), BlockKind.FULL))
+            elif pairs:
+                out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, pairs=pairs))
+            return
         qp, kp = torch.arange(a, b) * p + q_rank, torch.arange(c, d) * p + kv_rank
         allowed = torch.as_tensor(mask.mask_mod(qp[:, None], kp[None, :]), dtype=torch.bool).expand(b - a, d - c)
         if bool(allowed.all()):
             out.append(Block(slice(a, b), slice(c, d), BlockKind.FULL))
         elif bool(allowed.any()):
-            out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, allowed.contiguous()))
+            if do_dense:
+                out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, allowed.contiguous()))
+            else:
+                out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, pairs=int(allowed.sum())))
 
     def causal(a: int, b: int, c: int, d: int) -> None:
         """A square tile whose global span is causal: global key k - c P <= query q - a P means local key
@@ -79,7 +112,11 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
 
     def split(a: int, b: int, c: int, d: int) -> None:
         """Local rows [a, b) x local columns [c, d), inside the real tokens of both ranks."""
-        kind = mask.classify(a * p, min(b * p, valid), c * p, min(d * p, valid))
+        span = (a * p, min(b * p, valid), c * p, min(d * p, valid))
+        if spans is None:
+            kind = mask.classify(*span)
+        elif (kind := spans.get(span)) is None:
+            kind = spans[span] = mask.classify(*span)
         if kind == BlockKind.EMPTY:
             return
         if kind == BlockKind.FULL:
@@ -135,13 +172,15 @@ class StripedPairs(PairWork):
         super().__init__(world)
         self.mask, self.seq_len = mask, seq_len
         self._cache: dict[tuple[int, ...], Work] = {}
+        self._spans: dict[tuple[int, int, int, int], BlockKind] = {}
 
     def pair(self, q_rank: int, kv_rank: int) -> Work:
         key = (q_rank - kv_rank,) if self.mask.shift_invariant else (q_rank, kv_rank)
         if key not in self._cache:
             self._cache[key] = work(
                 (Kernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area), 1)
-                for b in striped_blocks(self.mask, self.seq_len, self.world, q_rank, kv_rank))
+                for b in striped_blocks(self.mask, self.seq_len, self.world, q_rank, kv_rank, spans=self._spans,
+                                        dense=False))
         return self._cache[key]
 
 
