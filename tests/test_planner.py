@@ -458,6 +458,13 @@ def test_a_partial_cell_is_priced_as_the_cover_the_executor_runs():
         assert pricing.seconds(table, "partial", (0,), (0,), phase) < dense / 2
     with pytest.raises(ValueError, match="one cell"):
         pricing.seconds(table, "partial", (0, 1), (0,), "forward")
+    # a mask without a cover of its own keeps the one masked rectangle's price
+    unstructured = masks.from_mask_mod(lambda q, k: (q >= k) & ((q - k) % 3 == 0))
+    table = bt.build(unstructured, 1024, 2)
+    plain = Pricing(unstructured, 1024, 1024, None, topo.device, problem)
+    assert table.kind(0, 0) == "partial" and not plain.structured and pricing.structured
+    assert plain.seconds(table, "partial", (0,), (0,), "forward") == pytest.approx(
+        dev.kernel_time(CostKernel("partial", 512, 512, table.area[0]), problem, "forward"))
 
 
 def test_a_partial_cell_of_a_reordered_table_is_priced_at_its_original_tokens():

@@ -5,7 +5,9 @@ the mask's own cover of the cell (``cpattn.schedules.ultra``: :func:`cpattn.bloc
 the cell's original token ranges), its equal-shaped pieces stacked into one call per
 :func:`cpattn.blocks.batches` batch. So it is priced as that cover: every piece at its own kind and
 shape, one launch per batch. Pricing the cell as one dense masked rectangle instead overstated a
-cell of many short documents or a narrow window band several times over.
+cell of many short documents or a narrow window band several times over. A mask without a cover of
+its own (``mask_mod``, ``&`` / ``|``) keeps that one-rectangle price: its cells run as dense masked
+tiles, and classifying them would cost the planner as much as the block table itself.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ class Pricing:
                  problem: Problem) -> None:
         self.mask, self.seq_len, self.valid_len, self.order = mask, seq_len, valid_len, order
         self.device, self.problem = device, problem
+        #: the mask has its own cover (documents, windows, tables...); without one (``mask_mod``,
+        #: ``&`` / ``|``) the executor halves a PARTIAL cell into dense masked tiles, about what one
+        #: masked rectangle costs, and classifying those tiles would cost the planner O(cell area)
+        self.structured = type(mask).cover is not Mask.cover
         self._covers: dict[tuple[int, int, int], tuple[list[CostKernel], int]] = {}
         self._seconds: dict[tuple[int, int, int, str], float] = {}
 
@@ -37,7 +43,8 @@ class Pricing:
         if kind == "partial":
             if len(rows) != 1 or len(cols) != 1:
                 raise ValueError(f"a partial kernel is one cell, got rows {rows} and cols {cols}")
-            return self.cell(table.chunk, rows[0], cols[0], phase)
+            if self.structured:
+                return self.cell(table.chunk, rows[0], cols[0], phase)
         c = table.chunk
         area = sum(table.area[i * table.n + j] for i in rows for j in cols)
         return self.device.kernel_time(CostKernel(kind, len(rows) * c, len(cols) * c, area), self.problem, phase)
