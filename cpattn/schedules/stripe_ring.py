@@ -71,36 +71,33 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
     counted from the mask's key intervals when it has one per row."""
     if isinstance(mask, CausalMask | FullMask):
         return blocks.for_ranks(mask, STRIPED, seq_len, world, q_rank, [kv_rank], valid_len)
-    p, do_dense = world, dense
+    p = world
     valid = seq_len if valid_len is None else valid_len
     out: list[Block] = []
 
-    def strided_count(a: int, b: int, c: int, d: int) -> int:
-        """Allowed pairs of local rows [a, b) x local columns [c, d), from one key interval per row:
-        the local columns j with lo <= j P + kv_rank < hi are [ceil((lo - kv_rank) / P), ...)."""
+    def leaf(a: int, b: int, c: int, d: int) -> None:
+        """A tile of local rows [a, b) x local columns [c, d) that is not split further: FULL, PARTIAL
+        (its mask, or only its pair count when not ``dense``) or nothing. Without ``dense``, a mask with
+        one key interval [lo, hi) per row counts the local columns j with lo <= j P + kv_rank < hi,
+        j in [ceil((lo - kv_rank) / P), ceil((hi - kv_rank) / P)), instead of building the tile."""
+        k0, k1 = c * p + kv_rank, (d - 1) * p + kv_rank + 1
         qp = torch.arange(a, b) * p + q_rank
-        lo, hi = (t[:, 0] for t in mask.intervals(qp, c * p + kv_rank, (d - 1) * p + kv_rank + 1))
-        first = -torch.div(kv_rank - lo, p, rounding_mode="floor")  # ceil((lo - kv_rank) / p)
-        stop = -torch.div(kv_rank - hi, p, rounding_mode="floor")
-        return int((stop.clamp(max=d) - first.clamp(min=c)).clamp(min=0).sum())
-
-    def dense(a: int, b: int, c: int, d: int) -> None:
-        if not do_dense and isinstance(mask, IntervalMask) and mask.width(c * p, d * p) == 1:
-            pairs = strided_count(a, b, c, d)
-            if pairs == (b - a) * (d - c):
-                out.append(Block(slice(a, b), slice(c, d), BlockKind.FULL))
-            elif pairs:
-                out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, pairs=pairs))
-            return
-        qp, kp = torch.arange(a, b) * p + q_rank, torch.arange(c, d) * p + kv_rank
-        allowed = torch.as_tensor(mask.mask_mod(qp[:, None], kp[None, :]), dtype=torch.bool).expand(b - a, d - c)
-        if bool(allowed.all()):
+        allowed = None
+        if not dense and isinstance(mask, IntervalMask) and mask.width(k0, k1) == 1:
+            lo, hi = (t[:, 0] for t in mask.intervals(qp, k0, k1))
+            first = -torch.div(kv_rank - lo, p, rounding_mode="floor")
+            stop = -torch.div(kv_rank - hi, p, rounding_mode="floor")
+            pairs = int((stop.clamp(max=d) - first.clamp(min=c)).clamp(min=0).sum())
+        else:
+            kp = torch.arange(c, d) * p + kv_rank
+            allowed = torch.as_tensor(mask.mask_mod(qp[:, None], kp[None, :]), dtype=torch.bool).expand(b - a, d - c)
+            pairs = int(allowed.sum())
+        if pairs == (b - a) * (d - c):
             out.append(Block(slice(a, b), slice(c, d), BlockKind.FULL))
-        elif bool(allowed.any()):
-            if do_dense:
-                out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, allowed.contiguous()))
-            else:
-                out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, pairs=int(allowed.sum())))
+        elif pairs and dense:
+            out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, allowed.contiguous()))
+        elif pairs:
+            out.append(Block(slice(a, b), slice(c, d), BlockKind.PARTIAL, pairs=pairs))
 
     def causal(a: int, b: int, c: int, d: int) -> None:
         """A square tile whose global span is causal: global key k - c P <= query q - a P means local key
@@ -126,7 +123,7 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
             causal(a, b, c, d)
             return
         if max(b - a, d - c) <= tile:
-            dense(a, b, c, d)
+            leaf(a, b, c, d)
             return
         rows = [(a, b)] if b - a <= tile else [(a, (a + b) // 2), ((a + b) // 2, b)]
         cols = [(c, d)] if d - c <= tile else [(c, (c + d) // 2), ((c + d) // 2, d)]
