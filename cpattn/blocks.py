@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .layout import Layout
@@ -186,21 +187,26 @@ class Batch:
         """The local key rows as one slice, as :meth:`row_span`."""
         return self._span("kv")
 
-    def _index(self, side: str) -> torch.Tensor:
+    def _index(self, side: str) -> np.ndarray:
         spans = [getattr(b, side) for b in self.blocks]
         n = spans[0].stop - spans[0].start
-        step = torch.arange(n)
-        start = torch.tensor([s.start for s in spans]).unsqueeze(1)
-        flip = torch.tensor([b.flip for b in self.blocks]).unsqueeze(1)
-        return (start + torch.where(flip, n - 1 - step, step)).reshape(-1)
+        step = np.arange(n)
+        start = np.array([s.start for s in spans])[:, None]
+        flip = np.array([b.flip for b in self.blocks])[:, None]
+        return (start + np.where(flip, n - 1 - step, step)).reshape(-1)
+
+    def row_index(self) -> np.ndarray:
+        """``[blocks x q rows]`` int64 on the host: local query rows, block after block (reversed when
+        flipped)."""
+        return self._index("q")
 
     def rows(self) -> torch.Tensor:
-        """LongTensor ``[blocks x q rows]``: local query rows, block after block (reversed when flipped)."""
-        return self._index("q")
+        """LongTensor ``[blocks x q rows]``: :meth:`row_index` as a tensor."""
+        return torch.from_numpy(self.row_index())
 
     def cols(self) -> torch.Tensor:
         """LongTensor ``[blocks x kv rows]``: local key rows, as :meth:`rows`."""
-        return self._index("kv")
+        return torch.from_numpy(self._index("kv"))
 
     def masks(self) -> torch.Tensor | None:
         """PARTIAL: the blocks' masks stacked, bool ``[blocks, q rows, kv rows]``; else None."""

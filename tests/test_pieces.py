@@ -246,9 +246,10 @@ def test_attend_matches_float64_reference(mask, world_layout):
     dk, dv = torch.zeros(2, s, hkv, d), torch.zeros(2, s, hkv, d)
     for r in range(world):
         qi = pos[r]
-        out, lse = new_accumulators(q[:, qi])
+        acc = new_accumulators(q[:, qi])
         for j in range(world):
-            attend(rt, q[:, qi], k[:, pos[j]], v[:, pos[j]], blocks.for_ranks(mask, lay, s, world, r, [j]), out, lse)
+            attend(rt, q[:, qi], k[:, pos[j]], v[:, pos[j]], blocks.for_ranks(mask, lay, s, world, r, [j]), acc)
+        out, lse = acc
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), ref[:, qi].detach(), atol=2e-5, rtol=1e-5, msg=f"seed {seed}")
         dq = torch.full_like(out, 0.0)

@@ -94,16 +94,16 @@ def serialised_ring_case(**fields) -> dict:
 
     def serial_forward(rt, q, kv, ring, blocks_of):
         comm, n, i = rt.comm, len(ring), ring.index(rt.rank)
-        out_acc, lse_acc = new_accumulators(q)
+        acc = new_accumulators(q)
         cur = kv
         for t in range(n):
             if t < n - 1:
                 nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
                 comm.send_recv([(cur, ring[(i + 1) % n])], [(nxt, ring[(i - 1) % n])], tag=ring_mod.TAG_KV).wait()
-            attend(rt, q, cur[0], cur[1], blocks_of(t), out_acc, lse_acc)
+            attend(rt, q, cur[0], cur[1], blocks_of(t), acc)
             if t < n - 1:
                 cur = nxt
-        return out_acc, lse_acc
+        return acc.out, acc.lse
 
     original = ring_mod.ring_forward
     ring_mod.ring_forward = serial_forward

@@ -302,3 +302,52 @@ def check_off_stays_local() -> dict:
     except Exception as exc:
         return {"type": type(exc).__name__, "message": str(exc)}
     return {"type": None, "message": ""}
+
+
+#: ops that read a device value back to the host (or give a shape that depends on one)
+HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.is_nonzero")
+
+
+def host_reads(masks: list) -> dict:
+    """Every registered schedule, fwd+bwd at this world size, for each ``(mask spec, seq_len)`` it
+    accepts (a length the layout cannot split runs padded). The first
+    call with the shape warms up: block lists, plans, agreement); the next call runs under a dispatch mode
+    that records every op of :data:`HOST_READS` with the stack that issued it. ``{schedule/mask: [where,
+    ...]}`` (empty lists: no read)."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func.overloadpacket) in HOST_READS:
+                stack = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                         for f in traceback.extract_stack()[:-1] if "/cpattn/" in f.filename]
+                self.seen.append(f"{func.overloadpacket} at " + " <- ".join(reversed(stack[-4:])))
+            return func(*args, **(kwargs or {}))
+
+    fast = cpattn.planner.PlanOptions(time_budget=1.0, partition_time_limit=0.3, schedule_time_limit=0.3)
+    found = {}
+    for name in cpattn.schedules.names():
+        for spec, seq in masks:
+            mask = cpattn.masks.resolve(spec)
+            sched = cpattn.schedules.get(name)
+            try:
+                sched.check_mask(mask)
+            except (ValueError, NotImplementedError):
+                continue
+            if sched.planned:
+                sched = type(sched)(fast)
+            cp = cpattn.ContextParallel(seq, mask, sched)
+            g = torch.Generator().manual_seed(7)
+            q, k, v = (torch.randn(1, cp.local_len, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+            cp.attention(q, k, v).sum().backward()
+            mode = Reads()
+            with mode:
+                cp.attention(q, k, v).sum().backward()
+            found[f"{name}/{mask.name}/{seq}"] = mode.seen
+    return found

@@ -39,15 +39,15 @@ class AllGatherSchedule(Schedule):
 
     def forward(self, rt: Runtime, q, k, v):
         p, r = rt.world, rt.rank
-        out_acc, lse_acc = new_accumulators(q)
+        acc = new_accumulators(q)
         kv = torch.stack([k, v])
         gathered, handle = self._gather(rt, kv)
-        attend(rt, q, k, v, rt.blocks(r, [r]), out_acc, lse_acc)
+        attend(rt, q, k, v, rt.blocks(r, [r]), acc)
         handle.wait()
         for j in range(p):
             if j != r:
-                attend(rt, q, gathered[j, 0], gathered[j, 1], rt.blocks(r, [j]), out_acc, lse_acc)
-        return out_acc.to(q.dtype), lse_acc
+                attend(rt, q, gathered[j, 0], gathered[j, 1], rt.blocks(r, [j]), acc)
+        return acc.out.to(q.dtype), acc.lse
 
     def backward(self, rt: Runtime, dout, q, k, v, out, lse):
         p, r = rt.world, rt.rank

@@ -37,17 +37,17 @@ def ring_forward(rt: Runtime, q: torch.Tensor, kv: torch.Tensor, ring: list[int]
     accumulators."""
     comm, n, i = rt.comm, len(ring), ring.index(rt.rank)
     nxt_rank, prv_rank = ring[(i + 1) % n], ring[(i - 1) % n]
-    out_acc, lse_acc = new_accumulators(q)
+    acc = new_accumulators(q)
     cur = kv  # one message per step
     for t in range(n):
         if t < n - 1:
             nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
             handle = comm.send_recv([(cur, nxt_rank)], [(nxt, prv_rank)], tag=TAG_KV)
-        attend(rt, q, cur[0], cur[1], blocks_of(t), out_acc, lse_acc)
+        attend(rt, q, cur[0], cur[1], blocks_of(t), acc)
         if t < n - 1:
             handle.wait()
             cur = nxt
-    return out_acc, lse_acc
+    return acc.out, acc.lse
 
 
 def ring_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,

@@ -130,7 +130,7 @@ class RingX1(Schedule):
         owners, first = self._owners(pairs, "forward"), self._local_first(pairs, "forward")
         result = new_accumulators(q)
         if first or r not in owners:
-            attend(rt, q, k, v, rt.blocks(r, [r]), *result)
+            attend(rt, q, k, v, rt.blocks(r, [r]), result)
         incoming = self._broadcast(rt, q, owners, 0)
         merging = None  # (owner, pending distributed merge) of the previous step
         for n, i in enumerate(owners):
@@ -138,12 +138,12 @@ class RingX1(Schedule):
             if self.overlap:
                 incoming = self._broadcast(rt, q, owners, n + 1)
             handle.wait()
-            out_i, lse_i = new_accumulators(q_i)  # stays (0, -inf) where kv_r has nothing for q_i
+            partial = new_accumulators(q_i)  # stays (0, -inf) where kv_r has nothing for q_i
             if not (first and i == r):
-                attend(rt, q_i, k, v, rt.blocks(i, [r]), out_i, lse_i)
+                attend(rt, q_i, k, v, rt.blocks(i, [r]), partial)
             if merging is not None:
                 result = self._land(r, merging, result, first)
-            merging = (i, start_distributed_merge(out_i, lse_i, i, rt.comm))
+            merging = (i, start_distributed_merge(partial.out, partial.lse, i, rt.comm))
             if not self.overlap:
                 result = self._land(r, merging, result, first)
                 merging = None

@@ -40,12 +40,12 @@ class RingX4(RingX1):
 
     def forward(self, rt: Runtime, q, k, v):
         r = rt.rank
-        out, lse = new_accumulators(q)
+        acc = new_accumulators(q)
         kv = torch.stack([k, v])
         pairs = self._run_pairs(rt)
         owners, first = self._owners(pairs, "forward"), self._local_first(pairs, "forward")
         if first or r not in owners:
-            attend(rt, q, k, v, rt.blocks(r, [r]), out, lse)
+            attend(rt, q, k, v, rt.blocks(r, [r]), acc)
         incoming = self._broadcast(rt, kv, owners, 0)
         for n, i in enumerate(owners):
             kv_i, handle = incoming
@@ -53,10 +53,10 @@ class RingX4(RingX1):
                 incoming = self._broadcast(rt, kv, owners, n + 1)
             handle.wait()
             if not (first and i == r):
-                attend(rt, q, kv_i[0], kv_i[1], rt.blocks(r, [i]), out, lse)
+                attend(rt, q, kv_i[0], kv_i[1], rt.blocks(r, [i]), acc)
             if not self.overlap:
                 incoming = self._broadcast(rt, kv, owners, n + 1)
-        return out.to(q.dtype), lse
+        return acc.out.to(q.dtype), acc.lse
 
     def travels(self, phase: str) -> str:
         return "kv"

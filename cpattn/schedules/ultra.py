@@ -314,8 +314,9 @@ class _Phase:
             if cover is None:
                 out, lse = kernels.forward(q_cat, k_cat, v_cat, kind, rt.scale, None, rt.backend)
             else:
-                out, lse = new_accumulators(q_cat)
-                attend(rt, q_cat, k_cat, v_cat, cover, out, lse)
+                acc = new_accumulators(q_cat)
+                attend(rt, q_cat, k_cat, v_cat, cover, acc)
+                out, lse = acc
             for t, i in enumerate(kn.rows):
                 self._fold("o", i, (out[:, t * n:(t + 1) * n], lse[:, :, t * n:(t + 1) * n]))
             return

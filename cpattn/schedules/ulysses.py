@@ -159,9 +159,9 @@ class UlyssesSchedule(Schedule):
         plan = kv_plan(q.shape[2], k.shape[2], rt.world)
         q_h = scatter_heads(rt, members, q)
         kv_h = scatter_kv(rt, members, torch.stack([k, v]), plan)
-        out_acc, lse_h = new_accumulators(q_h)
-        attend(rt, q_h, kv_h[0], kv_h[1], rt.blocks(members, members), out_acc, lse_h)
-        out_h = out_acc.to(q.dtype)
+        acc = new_accumulators(q_h)
+        attend(rt, q_h, kv_h[0], kv_h[1], rt.blocks(members, members), acc)
+        out_h, lse_h = acc.out.to(q.dtype), acc.lse
         out, lse = gather_heads(rt, members, out_h), gather_lse(rt, members, lse_h)
         return out, lse, (q_h, kv_h, out_h, lse_h)
 
