@@ -24,7 +24,7 @@ from .cost import collectives
 from .cost.estimate import plan_estimate
 from .cost.profile import ProfileError
 from .masks import Mask, causal, full, resolve, sliding_window
-from .schedules.base import Attention, BoundedCache, Runtime, Schedule
+from .schedules.base import BoundedCache, Runtime, Schedule, attention_op, register_site
 from .steps import CommOp, Problem
 from .topology import Topology
 from .version import __version__
@@ -100,6 +100,12 @@ def _broadcast_text(comm: Communicator, text: str | None, device: torch.device) 
     return data.cpu().numpy().tobytes().decode()
 
 
+def _scale_like(softmax_scale) -> bool:
+    """Whether ``softmax_scale`` can travel into the op (None or a real number; its value is checked
+    there)."""
+    return softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool))
+
+
 class ContextParallel:
     """Exact attention over a sequence of ``seq_len`` tokens split across the ranks of ``group``.
 
@@ -144,6 +150,7 @@ class ContextParallel:
                                 topology=self.topology, valid_len=seq_len)
         self._plans = BoundedCache(PLANS_KEPT)
         self._checked: set = set()  # call signatures already agreed on (check="first")
+        self._site = register_site(self)  # how the cpattn::attention op finds this object
 
     def _configure(self, seq_len, mask, schedule, topology, backend, layout, check, memory_limit) -> None:
         """Check every argument and derive the layout, on this rank only (no communication)."""
@@ -329,17 +336,40 @@ class ContextParallel:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                   return_lse: bool = False):
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` in this schedule's layout -> local ``out``
-        (and ``lse [b, h, s]`` float32 with ``return_lse``). Differentiable in q, k, v."""
+        (and ``lse [b, h, s]`` float32 with ``return_lse``). Differentiable in q, k, v.
+
+        One ``torch.library`` custom op, ``cpattn::attention`` (its backward: ``cpattn::attention_backward``):
+        ``torch.compile(..., fullgraph=True)`` compiles a model that calls it, and selective activation
+        checkpointing can save its outputs so that its communication is not rerun in the backward."""
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not _scale_like(softmax_scale):
+            self._checked_scale(q, k, v, softmax_scale)  # raises, on every rank alike
+        scale = None if softmax_scale is None else float(softmax_scale)
+        out, lse, _saved = attention_op(q, k, v, self._site, scale)
+        return (out, lse) if return_lse else out
+
+    def _checked_scale(self, q, k, v, softmax_scale) -> float:
+        """The call's softmax scale after its checks: agreed with the other ranks on the first call with
+        this signature (every call with ``check="always"``), else checked on this rank only."""
         key = agree.signature_key(q, k, v, softmax_scale)
         if self.check == "always" or (self.check == "first" and key not in self._checked):
             scale = self._agree_on_call(q, k, v, softmax_scale)
             self._checked.add(key)
-        else:
-            scale = self._validate(q, k, v, softmax_scale)
+            return scale
+        return self._validate(q, k, v, softmax_scale)
+
+    def prepare(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None
+                ) -> tuple[Schedule, Runtime]:
+        """What ``cpattn::attention`` runs a forward with: the checks (and agreement), then the schedule
+        and this call's runtime (scale, plan)."""
+        scale = self._checked_scale(q, k, v, softmax_scale)
         plan = self.plan(q, k) if self.schedule.planned else None
-        rt = dataclasses.replace(self._runtime, scale=scale, plan=plan)
-        out, lse = Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.schedule, rt)
-        return (out, lse) if return_lse else out
+        return self.schedule, dataclasses.replace(self._runtime, scale=scale, plan=plan)
+
+    def runtime(self, q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None) -> tuple[Schedule, Runtime]:
+        """The schedule and runtime of a call already checked by :meth:`prepare` (for its backward)."""
+        scale = kernels.default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+        plan = self.plan(q, k) if self.schedule.planned else None
+        return self.schedule, dataclasses.replace(self._runtime, scale=scale, plan=plan)
 
     def _agree_on_call(self, q, k, v, softmax_scale) -> float:
         """:meth:`_validate` and the memory pre-check on this rank, then one exchange so that every rank

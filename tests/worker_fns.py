@@ -351,3 +351,106 @@ def host_reads(masks: list) -> dict:
                 cp.attention(q, k, v).sum().backward()
             found[f"{name}/{mask.name}/{seq}"] = mode.seen
     return found
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block (GQA attention through ``cp.attention``, then an MLP), small."""
+
+    def __init__(self, cp, dim: int = 32, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.cp, self.heads, self.kv_heads, self.hd = cp, heads, kv_heads, dim // heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.wq = torch.nn.Linear(dim, dim, bias=False)
+        self.wkv = torch.nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.wo = torch.nn.Linear(dim, dim, bias=False)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q = self.wq(h).view(b, s, self.heads, self.hd)
+        k, v = self.wkv(h).view(b, s, 2, self.kv_heads, self.hd).unbind(2)
+        a = self.cp.attention(q, k, v)
+        x = x + self.wo(a.reshape(b, s, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+def _block_run(block, x, dy, run):
+    """``run(block, x)`` forward and backward: (y, input grad, parameter grads), grads cleared first."""
+    block.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = run(block, x)
+    y.backward(dy)
+    return y.detach(), x.grad, [p.grad.clone() for p in block.parameters()]
+
+
+def compile_block(schedule: str, backend: str, seq: int = 64) -> dict:
+    """A transformer block that calls ``cp.attention``, eager and ``torch.compile(fullgraph=True)`` on
+    ``backend``: the largest relative difference of outputs and gradients, and the attention calls each
+    made (one forward and one backward op per step)."""
+    torch._dynamo.reset()
+    cp = cpattn.ContextParallel(seq, "causal", schedule)
+    torch.manual_seed(3)
+    block = _Block(cp)
+    x = cp.shard(torch.randn(2, seq, 32))
+    dy = cp.shard(torch.randn(2, seq, 32))
+    counts = {}
+
+    def counted(name, run):
+        cp.reset_comm_stats()
+        result = _block_run(block, x, dy, run)
+        counts[name] = cp.comm_stats()["total"]["calls"]
+        return result
+
+    eager = counted("eager", lambda m, t: m(t))
+    compiled_block = torch.compile(block, fullgraph=True, backend=backend)
+    counted("compiled warm-up", lambda m, t: compiled_block(t))
+    compiled = counted("compiled", lambda m, t: compiled_block(t))
+    diff = 0.0
+    for a, b in zip([eager[0], eager[1], *eager[2]], [compiled[0], compiled[1], *compiled[2]]):
+        diff = max(diff, float((a - b).norm() / b.norm().clamp(min=1e-30)))
+    return {"diff": diff, "calls": counts, "finite": bool(torch.isfinite(compiled[0]).all())}
+
+
+def selective_checkpoint(schedule: str, seq: int = 64) -> dict:
+    """A block under activation checkpointing: selective (``cpattn::attention`` must be saved, the rest
+    recomputed) and plain (everything recomputed). Per mode: the communication calls and bytes of the
+    backward, and the largest relative gradient difference from the run without checkpointing; also
+    the calls and bytes the schedule's backward alone makes (``expected_volume``)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is torch.ops.cpattn.attention.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    cp = cpattn.ContextParallel(seq, "causal", schedule)
+    torch.manual_seed(4)
+    block = _Block(cp)
+    x = cp.shard(torch.randn(2, seq, 32))
+    dy = cp.shard(torch.randn(2, seq, 32))
+    plain = _block_run(block, x, dy, lambda m, t: m(t))
+    runs = {
+        "selective": lambda m, t: checkpoint(m, t, use_reentrant=False,
+                                             context_fn=partial(create_selective_checkpoint_contexts, policy)),
+        "full": lambda m, t: checkpoint(m, t, use_reentrant=False),
+    }
+    found = {}
+    for name, run in runs.items():
+        block.zero_grad(set_to_none=True)
+        xi = x.detach().requires_grad_()
+        y = run(block, xi)
+        cp.reset_comm_stats()
+        y.backward(dy)
+        total = cp.comm_stats()["total"]
+        grads = [xi.grad, *[p.grad for p in block.parameters()]]
+        diff = max(float((a - b).norm() / b.norm().clamp(min=1e-30)) for a, b in zip(grads, [plain[1], *plain[2]]))
+        found[name] = {"calls": total["calls"], "bytes": total["bytes_sent"], "diff": diff}
+    q = torch.empty(2, cp.local_len, 4, 8)
+    k = torch.empty(2, cp.local_len, 2, 8)
+    back = cp.expected_volume(q, k)["backward"]
+    found["backward alone"] = {"calls": sum(v["calls"] for v in back.values()),
+                               "bytes": sum(v["bytes_sent"] for v in back.values())}
+    return found

@@ -14,6 +14,8 @@ See docs/architecture.md.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -215,6 +217,12 @@ class Schedule:
         """Gradients ``dq, dk, dv`` in the input dtype."""
         raise NotImplementedError
 
+    def saved_like(self, q: torch.Tensor, k: torch.Tensor, world: int, topology: Topology | None = None
+                   ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of the tensors :meth:`forward` returns for its backward (none by default), for
+        ``torch.compile``'s view of the op without running it."""
+        return []
+
     # ------------------------------------------------------------------ its description
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """What every rank does in ``phase`` ("forward" or "backward"), step by step, as the runtime does
@@ -370,24 +378,101 @@ def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.T
                 acc.index_add_(1, index, grad)
 
 
-class Attention(torch.autograd.Function):
-    """Autograd glue: ``forward`` runs the schedule's forward, ``backward`` its backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, schedule: Schedule, rt: Runtime):  # noqa: D401
-        out, lse, *saved = schedule.forward(rt, q, k, v)  # a schedule may return tensors for its backward
-        ctx.save_for_backward(q, k, v, out, lse, *(saved[0] if saved else ()))
-        ctx.schedule, ctx.rt, ctx.has_saved = schedule, rt, bool(saved)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *saved = ctx.saved_tensors
-        extra = {"saved": tuple(saved)} if ctx.has_saved else {}
-        dq, dk, dv = ctx.schedule.backward(ctx.rt, dout.contiguous(), q, k, v, out, lse, **extra)
-        return dq, dk, dv, None, None
+# ---------------------------------------------------------------------- the attention op
+# ``cpattn::attention`` is one ``torch.library`` custom op: ``torch.compile`` treats it as a unit (its
+# communication runs eagerly inside, never traced), selective activation checkpointing can keep its
+# outputs, and its backward is a second op. What an op call runs on is named by an int ``site``: an
+# object (a ``ContextParallel``) registered with :func:`register_site` that answers
+#   ``prepare(q, k, v, softmax_scale) -> (schedule, runtime)``: checks (and agreement) for a forward;
+#   ``runtime(q, k, softmax_scale) -> (schedule, runtime)``: the same call's runtime, for the backward;
+#   ``world_size``, ``topology``: for the shapes of a schedule's saved tensors.
+_SITES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_NEXT_SITE = itertools.count(1)
 
 
-__all__ = ["Accumulators", "Attention", "BlockKind", "BoundedCache", "Run", "Runtime", "Schedule", "Volume", "attend",
-           "attend_backward", "new_accumulators"]
+def register_site(site: Any) -> int:
+    """The handle ``cpattn::attention`` calls ``site`` by (kept while the site lives)."""
+    handle = next(_NEXT_SITE)
+    _SITES[handle] = site
+    return handle
+
+
+def _site(handle: int) -> Any:
+    site = _SITES.get(handle)
+    if site is None:
+        raise RuntimeError(f"cpattn::attention: site {handle} is gone (its ContextParallel was deleted)")
+    return site
+
+
+def _own(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """``outputs``, each copied when it shares storage with an input or an earlier output (an op's
+    outputs must not alias its inputs or each other; e.g. dk and dv are views of one packed buffer)."""
+    seen = {x.untyped_storage().data_ptr() for x in inputs}
+    owned = []
+    for t in outputs:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        owned.append(t)
+    return owned
+
+
+@torch.library.custom_op("cpattn::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: int, softmax_scale: float | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``
+    (accumulation dtype) and the tensors the schedule keeps for its backward (Ulysses' head-split ones)."""
+    schedule, rt = _site(site).prepare(q, k, v, softmax_scale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, lse, *saved = schedule.forward(rt, q, k, v)
+    out, lse, *saved = _own([out, lse, *(saved[0] if saved else ())], (q, k, v))
+    return out, lse, saved
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, site, softmax_scale):
+    owner = _site(site)
+    b, s, h, _ = q.shape
+    saved = owner.schedule.saved_like(q, k, owner.world_size, owner.topology)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((b, h, s), dtype=acc_dtype(q.dtype)),
+            [q.new_empty(shape, dtype=dtype) for shape, dtype in saved])
+
+
+@torch.library.custom_op("cpattn::attention_backward", mutates_args=())
+def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, saved: list[torch.Tensor], site: int, softmax_scale: float | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``dq, dk, dv`` (input dtype) of :func:`attention_op`."""
+    schedule, rt = _site(site).runtime(q, k, softmax_scale)
+    extra = {"saved": tuple(saved)} if saved else {}
+    dq, dk, dv = schedule.backward(rt, dout.contiguous(), q, k, v, out, lse, **extra)
+    dq, dk, dv = _own([dq, dk, dv], (dout, q, k, v, out, lse, *saved))
+    return dq, dk, dv
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, saved, site, softmax_scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, site, softmax_scale = inputs
+    out, lse, saved = output
+    ctx.save_for_backward(q, k, v, out, lse, *saved)
+    ctx.site, ctx.softmax_scale = site, softmax_scale
+    ctx.mark_non_differentiable(lse, *saved)
+
+
+def _backward(ctx, dout, _dlse, _dsaved):
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, saved, ctx.site, ctx.softmax_scale)
+    return dq, dk, dv, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+__all__ = ["Accumulators", "BlockKind", "BoundedCache", "Run", "Runtime", "Schedule", "Volume", "attend",
+           "attend_backward", "attention_op", "new_accumulators", "register_site"]

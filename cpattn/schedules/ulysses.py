@@ -135,6 +135,16 @@ def dkv_dtype(plan: list[list[int]], kv_heads: int, dtype: torch.dtype) -> torch
     return acc_dtype(dtype) if _replicated(plan, kv_heads) else dtype
 
 
+def saved_like(q: torch.Tensor, k: torch.Tensor, degree: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of what a head split of degree D keeps for its backward: ``q_h``, ``kv_h``,
+    ``out_h`` and ``lse_h`` (as :func:`scatter_heads`, :func:`scatter_kv` and the attention give them)."""
+    b, s, h, d = q.shape
+    kv = len(kv_plan(h, k.shape[2], degree)[0])
+    hl, n = h // degree, degree * s
+    return [((b, n, hl, d), q.dtype), ((2, b, n, kv, d), k.dtype), ((b, n, hl, d), q.dtype),
+            ((b, hl, n), acc_dtype(q.dtype))]
+
+
 def check_heads(name: str, heads: int, degree: int, world: int) -> None:
     if heads % degree:
         valid = divisors(heads, world)
@@ -153,6 +163,9 @@ class UlyssesSchedule(Schedule):
 
     def check_shape(self, q: torch.Tensor, k: torch.Tensor, world: int) -> None:
         check_heads("ulysses", q.shape[2], world, world)
+
+    def saved_like(self, q, k, world, topology=None):
+        return saved_like(q, k, world)
 
     def forward(self, rt: Runtime, q, k, v):
         members = list(range(rt.world))

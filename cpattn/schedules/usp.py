@@ -38,6 +38,7 @@ from .ulysses import (
     gather_lse,
     head_split_steps,
     kv_plan,
+    saved_like,
     scatter_heads,
     scatter_kv,
 )
@@ -88,6 +89,9 @@ class USPSchedule(Schedule):
             return [j * d + x for x in range(d)]
 
         return lambda t: rt.blocks(group(i), group((i - t) % n))
+
+    def saved_like(self, q, k, world, topology=None):
+        return saved_like(q, k, self.degree(q.shape[2], world, topology))
 
     def forward(self, rt: Runtime, q, k, v):
         d, members, ring = self._groups(rt, q.shape[2])
