@@ -147,7 +147,7 @@ class ContextParallel:
         wire_topology = self.topology or Topology(1, self.world_size)  # the algorithms wire bytes count with
         self.comm.set_topology(self.topology, lambda op, n: collectives.algorithm(CommOp(op, n), wire_topology))
         self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
-                                topology=self.topology, valid_len=seq_len)
+                                topology=self.topology, seq_len=seq_len)
         self._plans = BoundedCache(PLANS_KEPT)
         self._checked: set = set()  # call signatures already agreed on (check="first")
         self._site = register_site(self)  # how the cpattn::attention op finds this object
@@ -176,7 +176,7 @@ class ContextParallel:
                              f"but the group has {self.comm.world_size}")
         self.topology = topology
         if schedule == "auto":
-            even = -(-seq_len // (2 * self.comm.world_size)) * 2 * self.comm.world_size  # padded
+            even = layout_mod.round_up(seq_len, 2 * self.comm.world_size)  # padded for any built-in layout
             schedule, why = _auto_schedule(self.mask, even, self.comm.world_size, topology)
             log.debug("schedule='auto' chose %s: %s", schedule, why)
         self.schedule = schedules.resolve(schedule)
@@ -223,8 +223,7 @@ class ContextParallel:
             raise ValueError(f"layout={layout!r}: schedule {sched.name!r} runs only on its own "
                              f"{sched.layout_for(self.mask)!r} layout; schedules that accept a layout: {takers}")
         if layout == "balanced":
-            m = world * layout_mod.BALANCED_CHUNKS_PER_RANK
-            padded = -(-seq_len // m) * m
+            padded = layout_mod.round_up(seq_len, world * layout_mod.BALANCED_CHUNKS_PER_RANK)
             return layout_mod.balanced(self.mask, padded, world, valid_len=seq_len), padded
         if isinstance(layout, str):
             if layout not in layout_mod.LAYOUTS:
@@ -494,7 +493,8 @@ class ContextParallel:
     def problem(self, q: torch.Tensor, k: torch.Tensor) -> Problem:
         """The :class:`cpattn.steps.Problem` of a call with local ``q``, ``k`` (padded length)."""
         b, _, h, d = q.shape
-        return Problem(self.padded_len, self.world_size, self.mask, b, h, k.shape[2], d, kernels.dtype_name(q.dtype))
+        return Problem(self.seq_len, self.world_size, self.mask, b, h, k.shape[2], d, kernels.dtype_name(q.dtype),
+                       layout=self.layout, padded_len=self.padded_len)
 
     def expected_volume(self, q: torch.Tensor, k: torch.Tensor) -> dict[str, dict[str, dict[str, int]]]:
         """What ``comm_stats()`` must count on this rank for one forward and one backward with local

@@ -28,6 +28,11 @@ BALANCED_CHUNKS_PER_RANK = 4
 Ranges = tuple[tuple[tuple[int, int], ...], ...]  # rank -> ((start, stop), ...) in local order
 
 
+def round_up(seq_len: int, multiple: int) -> int:
+    """The padded length: ``seq_len`` rounded up to a multiple of ``multiple`` (the one padding rule)."""
+    return -(-seq_len // multiple) * multiple
+
+
 @dataclass(frozen=True)
 class Layout:
     """``name``: contiguous (rank r holds [r*s, (r+1)*s)), zigzag (2P chunks; rank r holds chunks r and
@@ -86,8 +91,7 @@ class Layout:
                 raise ValueError(f"seq_len={seq_len} is longer than the explicit layout {self.name!r} "
                                  f"({self.total} tokens)")
             return self.total
-        m = self.multiple(world)
-        return -(-seq_len // m) * m
+        return round_up(seq_len, self.multiple(world))
 
     def _check_world(self, world: int) -> None:
         if world < 1:
@@ -132,6 +136,22 @@ class Layout:
         if rng is None:
             return torch.arange(rank, seq_len, world)
         return torch.cat([torch.arange(a, b) for a, b in rng])
+
+
+def grouped(layout: Layout, seq_len: int, world: int, degree: int) -> Layout:
+    """The layout of ``world / degree`` groups of ``degree`` consecutive ranks, each group holding its
+    members' tokens in member order (how Ulysses and USP see the sequence): contiguous stays contiguous,
+    any other range layout becomes explicit."""
+    if world % degree:
+        raise ValueError(f"degree={degree} must divide world={world}")
+    if layout.name == "contiguous" and layout.rank_ranges is None:
+        return layout
+    ranks = [layout.ranges(seq_len, world, r) for r in range(world)]
+    if any(r is None for r in ranks):
+        raise ValueError(f"layout {layout.name!r} is not a range layout; it cannot be grouped")
+    groups = tuple(tuple(rng for r in range(g * degree, (g + 1) * degree) for rng in ranks[r])
+                   for g in range(world // degree))
+    return Layout.explicit(groups, f"{layout.name}/{degree}")
 
 
 def pieces(layout: Layout, seq_len: int, world: int) -> tuple[int, tuple[int, ...]]:

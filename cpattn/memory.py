@@ -1,12 +1,13 @@
 """Peak memory of a region of code, measured rather than sampled.
 
-On a CPU, :class:`PeakTracker` counts the bytes of live tensor storage: a
-:class:`~torch.utils._python_dispatch.TorchDispatchMode` sees the output of every aten op run inside
-the region (autograd's backward included), and a storage is counted once, when an op first returns
-it, until it is freed (a finalizer on the storage). Storage alive before the region is never counted:
-an output that shares storage with one of the op's inputs (a view, an in-place or ``out=`` op, a
-collective writing into its buffers) allocates nothing. What it does not see: scratch memory a fused
-kernel allocates and frees inside one op, and tensors created outside torch's dispatcher (e.g.
+On a CPU, :class:`PeakTracker` counts the
+bytes of live tensor storage: a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees the output
+of every aten op run inside the region (autograd's backward included, and the ops inside cpattn's
+attention op, whose body it runs under itself), and a storage is counted once, when an op first returns
+it, until it is freed (a finalizer on the storage). Storage alive before the region is never counted: an
+output that shares storage with one of the op's inputs (a view, an in-place or ``out=`` op, a collective
+writing into its buffers) allocates nothing. What it does not see: scratch memory a fused kernel
+allocates and frees inside one op, and tensors created outside torch's dispatcher (e.g.
 ``torch.from_numpy``). On CUDA it reads ``torch.cuda.max_memory_allocated`` instead, above what was
 allocated on entry.
 """
@@ -19,6 +20,8 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from .schedules.base import op_body
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -42,6 +45,10 @@ class _LiveStorage(TorchDispatchMode):
                 self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        body = op_body(func)
+        if body is not None:  # cpattn's attention op: count the tensors created inside it
+            with self:
+                return body(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs)) if _has_storage(t)}
         for t in _tensors(out):

@@ -111,17 +111,17 @@ def _merge(items: list[tuple[Work, int]]) -> tuple[tuple[Work, int], ...]:
 class EnumeratedPairs(PairWork):
     """Any mask and layout: each pair classified by ``cpattn.blocks.for_ranks`` (cached)."""
 
-    def __init__(self, mask: Mask, layout: Layout, seq_len: int, world: int) -> None:
+    def __init__(self, mask: Mask, layout: Layout, seq_len: int, world: int, valid_len: int | None = None) -> None:
         super().__init__(world)
-        self._args = (mask, layout, seq_len, world)
+        self._args = (mask, layout, seq_len, world, valid_len)
         self._cache: dict[tuple[int, int], Work] = {}
 
     def pair(self, q_rank: int, kv_rank: int) -> Work:
         key = (q_rank, kv_rank)
         if key not in self._cache:
-            mask, layout, seq_len, world = self._args
+            mask, layout, seq_len, world, valid_len = self._args
             self._cache[key] = work((_kernel(b), 1) for b in blocks.for_ranks(mask, layout, seq_len, world, q_rank,
-                                                                                [kv_rank]))
+                                                                                [kv_rank], valid_len))
         return self._cache[key]
 
 
@@ -161,22 +161,25 @@ def head_split(groups: tuple[tuple[Work, int], ...], degree: int, heads: int,
                    for w, count in groups])
 
 
-def _build(mask: Mask, layout: Layout, seq_len: int, world: int) -> PairWork:
+def _build(mask: Mask, layout: Layout, seq_len: int, world: int, valid_len: int | None) -> PairWork:
+    if valid_len is not None and valid_len != seq_len:  # padding: the closed forms do not hold
+        return EnumeratedPairs(mask, layout, seq_len, world, valid_len)
     return closed_form(mask, layout, seq_len, world) or EnumeratedPairs(mask, layout, seq_len, world)
 
 
 _cached = lru_cache(maxsize=64)(_build)
 
 
-def pair_work(mask: Mask, layout: Layout, seq_len: int, world: int) -> PairWork:
-    """The :class:`PairWork` of ``mask`` on ``layout`` (closed form when there is one); cached per
-    (mask, layout, seq_len, world) when the mask is hashable."""
+def pair_work(mask: Mask, layout: Layout, seq_len: int, world: int, valid_len: int | None = None) -> PairWork:
+    """The :class:`PairWork` of ``mask`` on ``layout`` splitting ``seq_len`` tokens of which those at
+    positions ``>= valid_len`` are padding (closed form when there is one); cached per (mask, layout,
+    seq_len, world, valid_len) when the mask is hashable."""
     layout.check(seq_len, world)
     try:
         hash(mask)
     except TypeError:
-        return _build(mask, layout, seq_len, world)
-    return _cached(mask, layout, seq_len, world)
+        return _build(mask, layout, seq_len, world, valid_len)
+    return _cached(mask, layout, seq_len, world, valid_len)
 
 
 __all__ = ["EnumeratedPairs", "PairWork", "TriangularPairs", "closed_form", "head_split", "pair_work"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .kernels import DTYPES, element_bytes
+from .layout import Layout
 from .masks import BlockKind, CausalMask, FullMask, Mask, allowed_pairs, resolve
 
 #: bytes per element of q/k/v for each supported dtype name (from the one table, ``kernels.DTYPES``)
@@ -145,8 +146,14 @@ GROUPS = ("world", "node", "rail")
 
 @dataclass(frozen=True)
 class Problem:
-    """One attention call: global ``seq_len`` tokens over ``world`` ranks, ``[batch, seq, heads,
-    head_dim]`` queries and ``kv_heads`` key/value heads in ``dtype`` (a name in :data:`DTYPE_BYTES`)."""
+    """One attention call: a sequence of ``seq_len`` tokens over ``world`` ranks, ``[batch, seq, heads,
+    head_dim]`` queries and ``kv_heads`` key/value heads in ``dtype`` (a name in :data:`DTYPE_BYTES`).
+
+    ``layout``: how the ranks hold the tokens (a :class:`cpattn.layout.Layout`; None: the schedule's
+    own). ``padded_len``: the length the layout splits, ``seq_len`` rounded up to its multiple (the
+    tokens past ``seq_len`` are padding: they attend nothing and nothing attends them); None: no
+    padding, so ``seq_len`` must split evenly. Message sizes count the padded local length; FLOPs
+    count the pairs of real tokens."""
 
     seq_len: int
     world: int
@@ -156,10 +163,14 @@ class Problem:
     kv_heads: int = 8
     head_dim: int = 128
     dtype: str = "bfloat16"
+    layout: Layout | None = None
+    padded_len: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mask", resolve(self.mask))
-        for name in ("seq_len", "world", "batch", "heads", "kv_heads", "head_dim"):
+        if self.padded_len is None:
+            object.__setattr__(self, "padded_len", self.seq_len)
+        for name in ("seq_len", "world", "batch", "heads", "kv_heads", "head_dim", "padded_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Problem.{name} must be a positive int, got {value!r}")
@@ -167,12 +178,29 @@ class Problem:
             raise ValueError(f"Problem.heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"Problem.dtype={self.dtype!r} is unknown; accepted: {', '.join(DTYPE_BYTES)}")
-        if self.seq_len % self.world:
-            raise ValueError(f"Problem.seq_len={self.seq_len} is not a multiple of world={self.world}")
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            raise TypeError(f"Problem.layout must be a cpattn.layout.Layout or None, got {type(self.layout).__name__}")
+        if self.padded_len < self.seq_len:
+            raise ValueError(f"Problem.padded_len={self.padded_len} is shorter than seq_len={self.seq_len}")
+        if self.padded_len % self.world:
+            what = "seq_len" if self.padded_len == self.seq_len else "padded_len"
+            raise ValueError(f"Problem.{what}={self.padded_len} is not a multiple of world={self.world}")
+        if self.layout is not None:
+            self.layout.check(self.padded_len, self.world)
+
+    @property
+    def padded(self) -> bool:
+        """Whether the layout splits padding tokens beyond ``seq_len``."""
+        return self.padded_len != self.seq_len
+
+    def layout_or(self, own: str) -> Layout:
+        """The layout of this problem, or the schedule's ``own`` when it names none."""
+        return self.layout if self.layout is not None else Layout(own)
 
     @property
     def local_len(self) -> int:
-        return self.seq_len // self.world
+        """Tokens per rank, padding included."""
+        return self.padded_len // self.world
 
     @property
     def elem(self) -> int:

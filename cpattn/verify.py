@@ -322,10 +322,8 @@ def run_case_on_rank(case: Case, mask) -> dict:
         out.backward(dout)
     bwd = cp.comm_stats()
     expected = cp.expected_volume(q, k)
-    # the run against the schedule's steps(): overlap and kernel counts only where the steps describe
-    # this run's blocks (the schedule's own layout, no padding)
-    own_blocks = case.layout is None and cp.padded_len == cp.seq_len
-    spec = spec_report(cp, q, k, {"forward": fwd_events, "backward": bwd_events}, own_blocks)
+    # the run against the schedule's steps() (its problem carries the layout and the padding)
+    spec = spec_report(cp, q, k, {"forward": fwd_events, "backward": bwd_events})
     return {"member": checked, "rank": cp.rank, "positions": _np(cp.positions()), "out": _np(out),
             "lse": _np(lse), "dq": _np(q.grad), "dk": _np(k.grad), "dv": _np(v.grad),
             "measured": {"forward": fwd, "backward": bwd}, "expected": expected, "spec": spec,
@@ -425,11 +423,11 @@ def check_plan(plan, phase: str, events: list[dict], rank: int, sizes) -> dict:
     return {"problems": problems, "overlapped": 0, "computes": sum(ev["ev"] == "compute" for ev in events)}
 
 
-def spec_report(cp, q: torch.Tensor, k: torch.Tensor, events: dict[str, list[dict]], own_blocks: bool) -> dict:
+def spec_report(cp, q: torch.Tensor, k: torch.Tensor, events: dict[str, list[dict]]) -> dict:
     """This rank's recordings of one call (per phase) against the schedule's description: its
-    ``steps()`` (:func:`check_steps`) or, for a planned schedule, its plan (:func:`check_plan`).
-    ``own_blocks``: the run used the blocks the steps assume (the schedule's own layout, no padding),
-    so the overlap and kernel counts are checked too (by :func:`check`, over all ranks)."""
+    ``steps()`` (:func:`check_steps`) or, for a planned schedule, its plan (:func:`check_plan`). The
+    steps' problem carries the call's layout and padding, so the overlap and kernel counts are checked
+    too (by :func:`check`, over all ranks), for every layout and padded length."""
     out = {}
     for phase, evs in events.items():
         if cp.schedule.planned:
@@ -437,7 +435,7 @@ def spec_report(cp, q: torch.Tensor, k: torch.Tensor, events: dict[str, list[dic
             continue
         steps = cp.schedule.steps(cp.problem(q, k), phase, cp.topology)
         rep = check_steps(steps, evs, cp.rank, cp.world_size, cp.topology)
-        out[phase] = {**rep, "expected": expected_overlap(steps) if own_blocks else None}
+        out[phase] = {**rep, "expected": expected_overlap(steps)}
     return out
 
 

@@ -318,12 +318,20 @@ def host_reads(masks: list) -> dict:
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from cpattn.schedules.base import op_body
+
     class Reads(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.seen: list[str] = []
+            self.ops = 0  # cpattn ops stepped into (a forward and a backward per call)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            body = op_body(func)
+            if body is not None:  # step inside cpattn's attention op
+                self.ops += 1
+                with self:
+                    return body(*args, **(kwargs or {}))
             if str(func.overloadpacket) in HOST_READS:
                 stack = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
                          for f in traceback.extract_stack()[:-1] if "/cpattn/" in f.filename]
@@ -349,6 +357,8 @@ def host_reads(masks: list) -> dict:
             mode = Reads()
             with mode:
                 cp.attention(q, k, v).sum().backward()
+            if mode.ops != 2:
+                raise RuntimeError(f"{name}: the mode stepped into {mode.ops} cpattn ops, expected 2")
             found[f"{name}/{mask.name}/{seq}"] = mode.seen
     return found
 
@@ -409,7 +419,12 @@ def compile_block(schedule: str, backend: str, seq: int = 64) -> dict:
     diff = 0.0
     for a, b in zip([eager[0], eager[1], *eager[2]], [compiled[0], compiled[1], *compiled[2]]):
         diff = max(diff, float((a - b).norm() / b.norm().clamp(min=1e-30)))
-    return {"diff": diff, "calls": counts, "finite": bool(torch.isfinite(compiled[0]).all())}
+    # the op's registration: schema, fake implementation against the real outputs, autograd
+    q, k, v = (torch.randn(2, cp.local_len, h, 8, requires_grad=True) for h in (4, 2, 2))
+    opcheck = torch.library.opcheck(torch.ops.cpattn.attention.default, (q, k, v, cp._site, None),
+                                    test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    return {"diff": diff, "calls": counts, "finite": bool(torch.isfinite(compiled[0]).all()),
+            "opcheck": {name: result for name, result in opcheck.items() if result != "SUCCESS"}}
 
 
 def selective_checkpoint(schedule: str, seq: int = 64) -> dict:

@@ -33,7 +33,6 @@ import torch
 
 from .. import planner, schedules
 from ..kernels import DTYPES
-from ..layout import Layout
 from ..masks import CausalMask, FullMask, Mask
 from ..schedules.base import Schedule
 from ..steps import CommOp, Problem, Step, split_phase, wire
@@ -136,9 +135,10 @@ def _planned(sched: Schedule, problem: Problem, topology: Topology, phase: str) 
 
 def _planned_uncached(sched: Schedule, problem: Problem, topology: Topology, phase: str) -> Estimate:
     options = sched.plan_options
-    order = planner.choose_order(problem.mask, problem.seq_len, problem.world, options=options)
-    req = planner.request(problem.mask, problem.seq_len, topology, problem.batch, problem.heads, problem.kv_heads,
-                          problem.head_dim, problem.dtype, options, None, order)
+    order = planner.choose_order(problem.mask, problem.padded_len, problem.world, valid_len=problem.seq_len,
+                                 options=options)
+    req = planner.request(problem.mask, problem.padded_len, topology, problem.batch, problem.heads, problem.kv_heads,
+                          problem.head_dim, problem.dtype, options, problem.seq_len, order)
     return plan_estimate(planner.get_plan(req), problem, phase, sched.name)
 
 
@@ -219,7 +219,7 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
         raise ValueError(f"topology has {topology.world} ranks ({topology.nodes} x {topology.devices_per_node}) "
                          f"but the problem has world={problem.world}")
     sched.check_mask(problem.mask)
-    Layout(sched.layout_for(problem.mask)).check(problem.seq_len, problem.world)
+    problem.layout_or(sched.layout_for(problem.mask)).check(problem.padded_len, problem.world)
     split_phase(phase)
     if sched.planned:
         return _planned(sched, problem, topology, phase)
@@ -279,7 +279,7 @@ def check_supports(schedule: Schedule | str, problem: Problem) -> None:
     mask, layout split, shape and dtype (its own checks, on meta tensors), and a model (:func:`estimable`)."""
     sched = _schedule(schedule)
     sched.check_mask(problem.mask)
-    Layout(sched.layout_for(problem.mask)).check(problem.seq_len, problem.world)
+    problem.layout_or(sched.layout_for(problem.mask)).check(problem.padded_len, problem.world)
     dtype = DTYPES[problem.dtype]
     b, s, d = problem.batch, problem.local_len, problem.head_dim
     q = torch.empty((b, s, problem.heads, d), dtype=dtype, device="meta")

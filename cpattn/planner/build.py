@@ -102,7 +102,7 @@ def choose_granularity(mask: Mask, topology: Topology, problem: Problem, options
     are padding. ``order``: the ranks hold the sequence's ``len(order)`` equal pieces in this order
     (see :func:`cpattn.layout.pieces`; None: contiguous); the table is of the sequence so reordered,
     classified at a granularity that splits every piece."""
-    world, seq_len = topology.world, problem.seq_len
+    world, seq_len = topology.world, problem.padded_len
     if options.chunks_per_rank is not None:
         if seq_len % (world * options.chunks_per_rank):
             raise ValueError(f"chunks_per_rank={options.chunks_per_rank}: seq_len={seq_len} is not a multiple of "
@@ -205,7 +205,7 @@ def request(mask: Mask | str | dict, seq_len: int, topology: Topology, batch: in
     _check_problem(seq_len, topology, batch, heads, kv_heads, head_dim, dtype)
     order = _check_order(order, seq_len, topology.world)
     valid = seq_len if valid_len is None else valid_len
-    problem = Problem(seq_len, topology.world, mask, batch, heads, kv_heads, head_dim, dtype)
+    problem = Problem(valid, topology.world, mask, batch, heads, kv_heads, head_dim, dtype, padded_len=seq_len)
     table, node_chunk = choose_granularity(mask, topology, problem, options, valid, order)
     return Request(mask, seq_len, topology, batch, heads, kv_heads, head_dim, dtype, options, table, node_chunk,
                    valid, order)
@@ -351,8 +351,8 @@ def _phase(req: Request, phase: str, problem: Problem, sizes: Sizes, pricing: Pr
 def build_plan(req: Request) -> Plan:
     """Run the planner for ``req`` (see the module docstring). Pure: no cache, no communication."""
     start = time.perf_counter()
-    problem = Problem(req.seq_len, req.topology.world, req.mask, req.batch, req.heads, req.kv_heads, req.head_dim,
-                      req.dtype)
+    problem = Problem(req.valid_len, req.topology.world, req.mask, req.batch, req.heads, req.kv_heads, req.head_dim,
+                      req.dtype, padded_len=req.seq_len)
     sizes = Sizes(req.batch, req.table.chunk, req.heads, req.kv_heads, req.head_dim, problem.elem, problem.acc_elem)
     pricing = Pricing(req.mask, req.seq_len, req.valid_len, req.order, req.topology.device, problem)
     phases = {name: _phase(req, name, problem, sizes, pricing) for name in PHASES}

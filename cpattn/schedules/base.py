@@ -74,14 +74,18 @@ class Runtime:
     comm: Communicator
     mask: Mask
     layout: Layout
-    seq_len: int
+    padded_len: int  # the length the layout splits
     scale: float = 1.0
     backend: str = "auto"
     topology: Topology | None = None  # nodes x devices per node, when the schedule should use it
-    valid_len: int | None = None  # positions >= valid_len are padding (never attend, never attended)
+    seq_len: int | None = None  # the real tokens (None: padded_len); positions >= seq_len are padding
     plan: Any = None  # planned schedules (``ultra``): the cpattn.planner.Plan of this call
     block_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
     batch_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
+
+    def __post_init__(self) -> None:
+        if self.seq_len is None:
+            self.seq_len = self.padded_len
 
     @property
     def rank(self) -> int:
@@ -95,9 +99,9 @@ class Runtime:
         """Cached block list of the queries of ``q_rank`` (a rank, or several concatenated in that
         order) against ``kv_ranks``' keys (concatenated in that order); padding is never covered."""
         key = (q_rank if isinstance(q_rank, int) else tuple(q_rank), tuple(kv_ranks))
-        return self.block_cache.get(key, lambda: blocks_mod.for_ranks(self.mask, self.layout, self.seq_len,
+        return self.block_cache.get(key, lambda: blocks_mod.for_ranks(self.mask, self.layout, self.padded_len,
                                                                       self.world, q_rank, list(kv_ranks),
-                                                                      self.valid_len))
+                                                                      self.seq_len))
 
 
     def batches(self, blocks: list[blocks_mod.Block], device: torch.device) -> list[Run]:
@@ -253,7 +257,8 @@ class Schedule:
     def pairs(self, problem: Problem) -> PairWork:
         """The kernel calls of every (query rank, key rank) pair of ``problem`` in this schedule's layout,
         for :meth:`steps` (closed forms where they exist, else the run-time block lists)."""
-        return pair_work(problem.mask, Layout(self.layout_for(problem.mask)), problem.seq_len, problem.world)
+        return pair_work(problem.mask, problem.layout_or(self.layout_for(problem.mask)), problem.padded_len,
+                         problem.world, problem.seq_len)
 
 
 class Accumulators:
@@ -418,16 +423,21 @@ def _own(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[
     return owned
 
 
-@torch.library.custom_op("cpattn::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: int, softmax_scale: float | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``
-    (accumulation dtype) and the tensors the schedule keeps for its backward (Ulysses' head-split ones)."""
+def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: int, softmax_scale: float | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     schedule, rt = _site(site).prepare(q, k, v, softmax_scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse, *saved = schedule.forward(rt, q, k, v)
     out, lse, *saved = _own([out, lse, *(saved[0] if saved else ())], (q, k, v))
     return out, lse, saved
+
+
+@torch.library.custom_op("cpattn::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: int, softmax_scale: float | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``
+    (accumulation dtype) and the tensors the schedule keeps for its backward (Ulysses' head-split ones)."""
+    return _attention_body(q, k, v, site, softmax_scale)
 
 
 @attention_op.register_fake
@@ -440,16 +450,22 @@ def _attention_fake(q, k, v, site, softmax_scale):
             [q.new_empty(shape, dtype=dtype) for shape, dtype in saved])
 
 
-@torch.library.custom_op("cpattn::attention_backward", mutates_args=())
-def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, saved: list[torch.Tensor], site: int, softmax_scale: float | None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``dq, dk, dv`` (input dtype) of :func:`attention_op`."""
+def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, saved: list[torch.Tensor], site: int,
+                             softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     schedule, rt = _site(site).runtime(q, k, softmax_scale)
     extra = {"saved": tuple(saved)} if saved else {}
     dq, dk, dv = schedule.backward(rt, dout.contiguous(), q, k, v, out, lse, **extra)
     dq, dk, dv = _own([dq, dk, dv], (dout, q, k, v, out, lse, *saved))
     return dq, dk, dv
+
+
+@torch.library.custom_op("cpattn::attention_backward", mutates_args=())
+def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, saved: list[torch.Tensor], site: int, softmax_scale: float | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``dq, dk, dv`` (input dtype) of :func:`attention_op`."""
+    return _attention_backward_body(dout, q, k, v, out, lse, saved, site, softmax_scale)
 
 
 @attention_backward_op.register_fake
@@ -473,6 +489,17 @@ def _backward(ctx, dout, _dlse, _dsaved):
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
+_BODIES = {torch.ops.cpattn.attention.default: _attention_body,
+           torch.ops.cpattn.attention_backward.default: _attention_backward_body}
+
+
+def op_body(func) -> Callable | None:
+    """The Python body of ``func`` when it is one of cpattn's ops (an ``OpOverload``), else None. A
+    ``TorchDispatchMode`` sees a custom op as one call and runs it with the mode switched off; a mode
+    that must see the aten ops inside (``cpattn.memory.PeakTracker``, checks for host reads) runs this
+    body under itself instead: ``with self: return body(*args, **kwargs)``."""
+    return _BODIES.get(func)
+
 
 __all__ = ["Accumulators", "BlockKind", "BoundedCache", "Run", "Runtime", "Schedule", "Volume", "attend",
-           "attend_backward", "attention_op", "new_accumulators", "register_site"]
+           "attend_backward", "attention_op", "new_accumulators", "op_body", "register_site"]

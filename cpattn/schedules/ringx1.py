@@ -113,7 +113,7 @@ class RingX1(Schedule):
     def _run_pairs(rt: Runtime) -> PairWork:
         """The pair work :meth:`steps` reads (:func:`~cpattn.pairs.pair_work` of the padded problem), so
         the run shares exactly the steps the description declares."""
-        return pair_work(rt.mask, rt.layout, rt.seq_len, rt.world)
+        return pair_work(rt.mask, rt.layout, rt.padded_len, rt.world, rt.seq_len)
 
     @staticmethod
     def _broadcast(rt: Runtime, mine: torch.Tensor, owners: list[int], n: int):

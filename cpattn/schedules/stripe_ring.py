@@ -165,19 +165,21 @@ class StripedPairs(PairWork):
     ``q_rank - kv_rank``: 2P - 1 classifications instead of P^2 (a sliding window at 64 ranks and 1M
     tokens took minutes)."""
 
-    def __init__(self, mask: Mask, seq_len: int, world: int) -> None:
+    def __init__(self, mask: Mask, seq_len: int, world: int, valid_len: int | None = None) -> None:
         super().__init__(world)
-        self.mask, self.seq_len = mask, seq_len
+        self.mask, self.seq_len, self.valid_len = mask, seq_len, valid_len
+        # padding at the end cuts ranks differently: then a pair depends on both ranks
+        self._by_offset = mask.shift_invariant and valid_len in (None, seq_len)
         self._cache: dict[tuple[int, ...], Work] = {}
         self._spans: dict[tuple[int, int, int, int], BlockKind] = {}
 
     def pair(self, q_rank: int, kv_rank: int) -> Work:
-        key = (q_rank - kv_rank,) if self.mask.shift_invariant else (q_rank, kv_rank)
+        key = (q_rank - kv_rank,) if self._by_offset else (q_rank, kv_rank)
         if key not in self._cache:
             self._cache[key] = work(
                 (Kernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area), 1)
-                for b in striped_blocks(self.mask, self.seq_len, self.world, q_rank, kv_rank, spans=self._spans,
-                                        dense=False))
+                for b in striped_blocks(self.mask, self.seq_len, self.world, q_rank, kv_rank, self.valid_len,
+                                        spans=self._spans, dense=False))
         return self._cache[key]
 
 
@@ -193,8 +195,8 @@ class StripeRingSchedule(RingSchedule):
     @staticmethod
     def _blocks(rt: Runtime, q_rank: int, kv_rank: int) -> list[Block]:
         key = ("striped", q_rank, kv_rank)
-        return rt.block_cache.get(key, lambda: striped_blocks(rt.mask, rt.seq_len, rt.world, q_rank, kv_rank,
-                                                              rt.valid_len))
+        return rt.block_cache.get(key, lambda: striped_blocks(rt.mask, rt.padded_len, rt.world, q_rank, kv_rank,
+                                                              rt.seq_len))
 
     def forward(self, rt: Runtime, q, k, v):
         p, r = rt.world, rt.rank
@@ -209,11 +211,12 @@ class StripeRingSchedule(RingSchedule):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
     def pairs(self, problem: Problem) -> PairWork:
-        """The closed form for the causal and full masks, else :class:`StripedPairs` (cached per mask
-        when it is hashable)."""
-        if isinstance(problem.mask, CausalMask | FullMask):
+        """The closed form for the causal and full masks without padding, else :class:`StripedPairs`
+        (cached per mask when it is hashable)."""
+        if isinstance(problem.mask, CausalMask | FullMask) and not problem.padded:
             return super().pairs(problem)
+        args = (problem.mask, problem.padded_len, problem.world, problem.seq_len)
         try:
-            return _striped_pairs(problem.mask, problem.seq_len, problem.world)
+            return _striped_pairs(*args)
         except TypeError:  # an unhashable mask
-            return StripedPairs(problem.mask, problem.seq_len, problem.world)
+            return StripedPairs(*args)

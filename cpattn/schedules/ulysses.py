@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import acc_dtype
-from ..layout import Layout
+from ..layout import grouped
 from ..pairs import head_split, pair_work
 from ..steps import CommOp, Problem, Step
 from ..topology import Topology
@@ -234,7 +234,7 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
     across the P / degree groups (``usp``; ``degree`` = P is ``ulysses``): the exchanges to the head
     split, the ring's steps (one step with no communication when there is one group), the exchanges
     back. The exchanges block, so nothing overlaps them. Every member computes its group's pairs (the
-    groups' token spans of the contiguous layout, as the ring sees them) on h / degree query heads.
+    groups' token spans, :func:`cpattn.layout.grouped`, as the ring sees them) on h / degree query heads.
     ``group``: where the point-to-point exchanges of a strict subset run (see :func:`exchange_ops`).
     ``live_bytes`` counts the head-split tensors, the ring's buffers and the exchange copies."""
     p = problem.world
@@ -244,7 +244,8 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
     shape, n = problem, p // degree
     msg = messages(shape, degree)
     kv_heads = len(kv_plan(problem.heads, problem.kv_heads, degree)[0])
-    pairs = pair_work(problem.mask, Layout("contiguous"), problem.seq_len, n)
+    groups = grouped(problem.layout_or("contiguous"), problem.padded_len, p, degree)
+    pairs = pair_work(problem.mask, groups, problem.padded_len, n, problem.seq_len)
 
     def work_at(t: int):
         return head_split(pairs.by_offset(t), degree, problem.heads // degree, kv_heads)
