@@ -4,13 +4,17 @@ One process runs the same attention on the whole sequence with all the cores the
 schedule runs on an N-rank gloo world with cores / N threads per rank. Each configuration is checked
 once against the one-process result before it is timed; a wrong schedule is reported, not timed.
 Times are the median over iterations of the slowest rank's time. A masked configuration also times
-dense causal attention in one process (for the mask efficiency) and, as a peer, FlexAttention.
+dense causal attention in one process (for the mask efficiency) and, as a peer, FlexAttention. With
+``timeline=True`` every rank stamps one more forward and backward (``cpattn.trace.timeline``), which
+becomes each row's Chrome trace (:func:`write_traces`) and its hidden transfer fraction.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -19,9 +23,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from . import masks, memory
+from . import masks, memory, trace
 from .kernels import DTYPES
 from .steps import attention_flops
+from .timeline import fraction_text
 from .verify import assemble
 
 #: relative error against the one-process result above which a schedule is reported wrong
@@ -70,6 +75,7 @@ class BenchRow:
     pred_fwd_bwd_s: float = float("nan")
     pred_fwd_error: float = float("nan")  # (predicted - measured) / measured
     pred_error: float = float("nan")  # forward + backward
+    hidden_fraction: float = float("nan")  # with a timeline: transfer time hidden behind kernel calls, mean over ranks
     extra: dict = field(default_factory=dict)
 
 
@@ -86,9 +92,11 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rank_bench(schedule: str, cfg: dict, baseline: bool = False) -> dict:
+def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool = False) -> dict:
     """Runs on every rank: one checked call, then warm-up and timed iterations. The one-process
-    ``baseline`` ignores the topology and layout."""
+    ``baseline`` ignores the topology and layout. ``timeline``: then one more forward and backward,
+    after a barrier, with ``cpattn.trace.timeline`` active (marks "forward", "backward", "end"), returned
+    as ``"timeline"``."""
     from .api import ContextParallel
     from .layout import work_report
     from .topology import Topology
@@ -129,9 +137,20 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False) -> dict:
             step(backward)
             if it >= c.warmup:
                 times[phase].append(time.perf_counter() - t0)
+    stamped = None
+    if timeline:
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        cp.comm.barrier()
+        with trace.timeline(device) as tl:
+            tl.mark("forward")
+            out = cp.attention(qq, kk, vv)
+            tl.mark("backward")
+            out.backward(dout)
+            tl.mark("end")
+        stamped = tl.as_dict()
     return {"rank": cp.rank, "positions": cp.positions().numpy(), "check": check, "times": times,
             "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"],
-            "wire_sent": traffic["wire_sent"], "peak": mem.peak_bytes,
+            "wire_sent": traffic["wire_sent"], "peak": mem.peak_bytes, "timeline": stamped,
             "work": None if work is None else {"max": work.max, "mean": work.mean, "imbalance": work.imbalance}}
 
 
@@ -252,14 +271,17 @@ def rank_flex(cfg: dict) -> dict:
 
 
 def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: float = 1800.0,
-        flex: bool | None = None) -> dict:
+        flex: bool | None = None, timeline: bool = False) -> dict:
     """Benchmark ``schedule_names``; returns ``{"config", "baseline", "rows", "environment"}``.
 
     A masked configuration (:func:`is_masked`) also times dense causal attention in the one-process
     world (``baseline["causal_fwd_s"]``, ``["causal_fwd_bwd_s"]``) and gives every row its
     :func:`mask_efficiency`. ``flex`` adds the FlexAttention peer (:func:`rank_flex`,
-    ``baseline["flex"]``); None = only for a masked configuration."""
+    ``baseline["flex"]``); None = only for a masked configuration. ``timeline``: each schedule stamps one
+    more forward and backward on every rank; its row gets ``hidden_fraction`` and ``extra["timeline"]``
+    (:func:`cpattn.timeline.summary` of the aligned ranks, with their ``spans``)."""
     from . import schedules
+    from . import timeline as timelines
     from .launcher import LocalWorld, RankError
 
     mask = masks.resolve(cfg.mask)
@@ -310,7 +332,7 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
     with LocalWorld(cfg.world, threads=tpr) as w:
         for name in schedule_names:
             say(f"{name} on {cfg.world} ranks")
-            res = w.run(rank_bench, timeout=timeout, name=name, schedule=name, cfg=asdict(cfg))
+            res = w.run(rank_bench, timeout=timeout, name=name, schedule=name, cfg=asdict(cfg), timeline=timeline)
             row = BenchRow(name)
             if fail(res):
                 row.ok, row.note = False, fail(res)
@@ -332,6 +354,13 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
             if causal is not None:
                 row.mask_efficiency = mask_efficiency(causal_fb, mask, cfg.seq, row.fwd_bwd_s)
                 row.fwd_mask_efficiency = mask_efficiency(causal_f, mask, cfg.seq, row.fwd_s)
+            if timeline:
+                ranks = timelines.align([timelines.spans(r["timeline"], r["rank"]) for r in res])
+                summ = timelines.summary(ranks)
+                if summ["hidden_fraction"] is not None:
+                    row.hidden_fraction = summ["hidden_fraction"]
+                row.extra["timeline"] = {"hidden_fraction": summ["hidden_fraction"], "hidden_min": summ["hidden_min"],
+                                         "step_s": summ["step_s"], "per_rank": summ["ranks"], "spans": ranks}
             rows.append(row)
     baseline = {"fwd_s": base_f, "fwd_bwd_s": base_fb, "peak_mem_bytes": base[0]["peak"],
                 "tflops": total_flops / base_fb / 1e12, "fwd_flops": fwd_flops, "fwd_bwd_flops": total_flops}
@@ -440,9 +469,13 @@ def render(result: dict):
     if predicted:
         caption += (f"; predicted on topology {result['prediction']['topology']!r}, "
                     "error = (predicted - measured) / measured")
+    traced = any("timeline" in r["extra"] for r in result["rows"] if r["ok"])
+    if traced:
+        caption += ("; hidden = share of the time transfers are in flight (issue to end of wait) during which a "
+                    "kernel call runs on the same rank, one extra stamped fwd+bwd step, mean over ranks")
     t = Table(title=title, caption=caption)
     cols = ["schedule", "fwd ms", *(["flex fwd ms"] if flex is not None else []), "fwd+bwd ms", "TFLOP/s/rank",
-            "vs 1 proc", *(["mask eff"] if masked else []), *[f"vs {n}" for n in refs],
+            "vs 1 proc", *(["mask eff"] if masked else []), *[f"vs {n}" for n in refs], *(["hidden"] if traced else []),
             "sent MB/rank", "wire MB/rank", "recv MB/rank", "peak MB/rank", "layout work max/mean", "max rel err"]
     if predicted:
         cols += ["pred fwd ms", "pred fwd+bwd ms", "pred err"]
@@ -462,6 +495,7 @@ def render(result: dict):
                  f"{r['fwd_bwd_s'] * 1e3:.1f}", f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x",
                  *([f"{r['mask_efficiency']:.2f}"] if masked else []),
                  *[f"{ok[n]['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}x" for n in refs],
+                 *([fraction_text(r["extra"].get("timeline", {}).get("hidden_fraction"))] if traced else []),
                  f"{r['bytes_sent'] / 1e6:.1f}", f"{r['wire_sent'] / 1e6:.1f}", f"{r['bytes_recv'] / 1e6:.1f}",
                  f"{r['peak_mem_bytes'] / 1e6:.1f}",
                  f"{work['imbalance']:.2f}" if work else "-", f"{r['error']:.1e}"]
@@ -491,25 +525,85 @@ def save_json(result: dict, path: str) -> None:
         json.dump(result, f, indent=2)
 
 
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-")
+
+
+def trace_name(schedule: str, config: dict) -> str:
+    """The file name of a row's Chrome trace: schedule, mask, world and sequence, then the layout,
+    topology and dtype when not the defaults (a mask spec: its kind and a short hash of the spec)."""
+    mask = config["mask"]
+    if not isinstance(mask, str):
+        spec = json.dumps(mask, sort_keys=True, separators=(",", ":"))
+        mask = f"{mask.get('kind', 'mask')}-{hashlib.sha1(spec.encode()).hexdigest()[:8]}"
+    parts = [schedule, mask, f"P{config['world']}", f"S{config['seq']}"]
+    if config.get("layout"):
+        parts.append(config["layout"])
+    if config.get("topology"):
+        parts.append(f"{config['topology'][0]}x{config['topology'][1]}")
+    if config.get("dtype", "float32") != "float32":
+        parts.append(config["dtype"])
+    return "_".join(_slug(str(p)) for p in parts) + ".trace.json"
+
+
+def write_traces(result: dict, directory: str) -> list[str]:
+    """One Chrome trace (``cpattn.timeline.chrome_trace``) per row of ``result`` that has a timeline, into
+    ``directory`` (created), named by :func:`trace_name`; each row's ``extra["timeline"]["file"]`` gets its
+    path. Returns the paths."""
+    from .timeline import chrome_trace
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for row in result["rows"]:
+        tl = row["extra"].get("timeline") if row["ok"] else None
+        if tl is None:
+            continue
+        path = os.path.join(directory, trace_name(row["schedule"], result["config"]))
+        meta = {"schedule": row["schedule"], "config": result["config"], "environment": result["environment"],
+                "fwd_bwd_s": row["fwd_bwd_s"], "traced_step_s": tl["step_s"],
+                "hidden_fraction": tl["hidden_fraction"], "hidden_min": tl["hidden_min"], "per_rank": tl["per_rank"],
+                "clock": "perf_counter_ns of each rank (one host clock), zero = the earliest rank's step start"}
+        with open(path, "w") as f:
+            json.dump(chrome_trace(tl["spans"], meta), f)
+        tl["file"] = path
+        paths.append(path)
+    return paths
+
+
 def plot(result: dict, path: str) -> None:
-    """PNG bar chart: forward+backward efficiency (one process / schedule) per schedule."""
+    """PNG bar chart: forward+backward efficiency (one process / schedule) per schedule; below it, for
+    every row with a timeline (``run(..., timeline=True)``), a per-rank panel of its stamped step
+    (``cpattn.timeline.draw``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .timeline import draw, lanes
+
     rows = [r for r in result["rows"] if r["ok"]]
     cfg = result["config"]
-    fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(rows) + 2), 3.8))
+    traced = [r for r in rows if r["extra"].get("timeline")]
+    heights = [3.8] + [0.3 * sum(1 + len(lanes(rk["transfers"])) for rk in r["extra"]["timeline"]["spans"]) + 1.4
+                       for r in traced]
+    width = max(5, 0.9 * len(rows) + 2, 10 if traced else 0)
+    fig, axes = plt.subplots(len(heights), 1, figsize=(width, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    ax = axes[0][0]
     ax.bar([r["schedule"] for r in rows], [r["speedup"] for r in rows], color="#4477aa")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_ylabel("T(one process) / T(schedule)")
     ax.set_title(f"fwd+bwd, P={cfg['world']}, S={cfg['seq']}, {cfg['mask']}, {cfg['dtype']}")
     ax.tick_params(axis="x", rotation=30)
+    for (panel,), r in zip(axes[1:], traced):
+        tl = r["extra"]["timeline"]
+        draw(panel, tl["spans"], f"{r['schedule']}: one stamped fwd+bwd step ({tl['step_s'] * 1e3:.1f} ms), "
+                                 f"transfer time hidden behind kernel calls: {fraction_text(tl['hidden_fraction'])} "
+                                 "(mean over ranks)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 __all__ = ["BenchConfig", "BenchRow", "flex_mask_mod", "flops", "is_masked", "mask_efficiency", "plot", "predict",
-           "prediction_summary", "render", "run", "save_json"]
+           "prediction_summary", "render", "run", "save_json", "trace_name", "write_traces"]

@@ -32,7 +32,8 @@ devices), so a schedule's volume does not depend on the topology. Each level is 
 stats of its own sub-communicator (:meth:`Communicator.level_stats`).
 
 With ``cpattn.trace.recording()`` active, every call is also recorded (issue and wait), for the
-tests that compare a schedule's run with its ``steps()``.
+tests that compare a schedule's run with its ``steps()``; with ``cpattn.trace.timeline()`` active, the
+issue and the wait's start and end are stamped with wall time (``cpattn bench --trace``).
 """
 
 from __future__ import annotations
@@ -118,16 +119,18 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class _Recorded:
-    """A handle whose ``wait()`` is recorded (``cpattn.trace``) the first time."""
+    """A handle whose ``wait()`` is recorded (``cpattn.trace``) the first time; with a timeline, its start
+    and its end are stamped."""
 
     def __init__(self, handle, call: int) -> None:
         self.handle, self.call = handle, call
 
     def wait(self) -> None:
         if self.handle is not None:
+            start = trace.wait_start(self.call)
             self.handle.wait()
             self.handle = None
-            trace.wait(self.call)
+            trace.wait(self.call, start)
 
 
 class Communicator:
@@ -267,6 +270,7 @@ class Communicator:
         """Batched async point-to-point: ``sends`` / ``recvs`` are ``(tensor, group_rank)`` pairs.
         ``tag`` separates message streams between the same pair of ranks (e.g. kv vs gradients).
         Returns a handle; wait on it before reading received tensors or reusing sent ones."""
+        start = trace.now()
         ops, counted = [], []
         for t, peer in sends:
             ops.append(dist.P2POp(dist.isend, t, self.global_rank(peer), self.group, tag))
@@ -276,14 +280,16 @@ class Communicator:
             counted.append(self._count("recv", _nbytes(t)))
         if not ops:
             return _Done()
-        return self._issue(counted, _Many(dist.batch_isend_irecv(ops)))
+        return self._issue(counted, _Many(dist.batch_isend_irecv(ops)), start=start)
 
     # ------------------------------------------------------------------ collectives
-    def _issue(self, counted: list[tuple[str, int, int]], work, async_op: bool = True):
+    def _issue(self, counted: list[tuple[str, int, int]], work, async_op: bool = True, start=None):
         """The handle of a call already counted (``counted``) and started (``work``; None: done),
-        recorded when ``cpattn.trace`` records; waited for here unless ``async_op``."""
+        recorded when ``cpattn.trace`` records or stamps a timeline; waited for here unless ``async_op``.
+        ``start``: ``trace.now()``, taken by every call before it starts anything (a timeline's issue time;
+        None without a timeline)."""
         handle = work if work is not None else _Done()
-        call = trace.issue(counted) if self.record else None
+        call = trace.issue(counted, start) if self.record else None
         if call is not None:
             handle = _Recorded(handle, call)
         if async_op:
@@ -293,26 +299,29 @@ class Communicator:
 
     def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):
         """Broadcast ``t`` (in place) from group rank ``src``."""
+        start = trace.now()
         counted = [self._count("broadcast", _nbytes(t), root=src)]
         if self.world_size == 1:
-            return self._issue(counted, None, async_op)
+            return self._issue(counted, None, async_op, start=start)
         return self._issue(counted, dist.broadcast(t, self.global_rank(src), group=self.group, async_op=True),
-                           async_op)
+                           async_op, start=start)
 
     def reduce(self, t: torch.Tensor, dst: int, op: str = "sum", async_op: bool = False):
         """Reduce ``t`` (in place) onto group rank ``dst``; other ranks' ``t`` is scratch afterwards."""
+        start = trace.now()
         counted = [self._count("reduce", _nbytes(t), root=dst)]
         if self.world_size == 1:
-            return self._issue(counted, None, async_op)
+            return self._issue(counted, None, async_op, start=start)
         work = dist.reduce(t, self.global_rank(dst), op=_REDUCE_OPS[op], group=self.group, async_op=True)
-        return self._issue(counted, work, async_op)
+        return self._issue(counted, work, async_op, start=start)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
+        start = trace.now()
         counted = [self._count("all_reduce", _nbytes(t))]
         if self.world_size == 1:
-            return self._issue(counted, None, async_op)
+            return self._issue(counted, None, async_op, start=start)
         return self._issue(counted, dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.group, async_op=True),
-                           async_op)
+                           async_op, start=start)
 
     def _check_and_count_gather(self, out: torch.Tensor, t: torch.Tensor) -> list[tuple[str, int, int]]:
         """Shape check and payload of an all-gather (flat or hierarchical: the same per rank)."""
@@ -330,29 +339,33 @@ class Communicator:
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """``out`` (first dim = world_size * t's first dim) receives every rank's ``t`` in rank order."""
+        start = trace.now()
         counted = self._check_and_count_gather(out, t)
         if self.world_size == 1:
             out.copy_(t.view_as(out))
-            return self._issue(counted, None, async_op)
+            return self._issue(counted, None, async_op, start=start)
         return self._issue(counted, _ALL_GATHER(out.view(-1), t.reshape(-1), group=self.group, async_op=True),
-                           async_op)
+                           async_op, start=start)
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` over ranks; rank r keeps the r-th of world_size equal slices in ``out``."""
+        start = trace.now()
         counted = self._check_and_count_scatter(out, t)
         if self.world_size == 1:
             out.copy_(t.view_as(out))
-            return self._issue(counted, None, async_op)
+            return self._issue(counted, None, async_op, start=start)
         return self._issue(counted, _REDUCE_SCATTER(out.view(-1), t.reshape(-1), group=self.group, async_op=True),
-                           async_op)
+                           async_op, start=start)
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Equal-split all-to-all along the first dim (slice j of ``t`` goes to rank j)."""
+        start = trace.now()
         counted = [self._count("all_to_all", _nbytes(t))]
         if self.world_size == 1:
             out.copy_(t)
-            return self._issue(counted, None, async_op)
-        return self._issue(counted, dist.all_to_all_single(out, t, group=self.group, async_op=True), async_op)
+            return self._issue(counted, None, async_op, start=start)
+        return self._issue(counted, dist.all_to_all_single(out, t, group=self.group, async_op=True), async_op,
+                           start=start)
 
     # ------------------------------------------------------------------ hierarchical collectives
     def setup_levels(self, topology: Topology | None) -> bool:
@@ -430,6 +443,7 @@ class Communicator:
         so ``out`` equals the flat result exactly. With ``async_op`` the rail level is in flight until
         ``wait()``, which then runs the node level. Flat when :meth:`hierarchy` is None.
         """
+        start = trace.now()
         levels = self.hierarchy(topology)
         if levels is None:
             return self.all_gather(out, t, async_op)
@@ -444,7 +458,7 @@ class Communicator:
             node.all_gather(by_local, by_node)
             out.view(n_nodes, d, -1).copy_(by_local.view(d, n_nodes, -1).transpose(0, 1))
 
-        return self._issue(counted, _Then(first, finish), async_op)
+        return self._issue(counted, _Then(first, finish), async_op, start=start)
 
     def hierarchical_reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, topology: Topology | None,
                                     async_op: bool = False):
@@ -456,6 +470,7 @@ class Communicator:
         every rank. Sums are associated differently than in the flat collective (equal up to rounding).
         Flat when :meth:`hierarchy` is None.
         """
+        start = trace.now()
         levels = self.hierarchy(topology)
         if levels is None:
             return self.reduce_scatter(out, t, async_op)
@@ -465,7 +480,7 @@ class Communicator:
         by_local = t.reshape(n_nodes, d, -1).transpose(0, 1).contiguous()
         partial = self.new_buffer((n_nodes, out.numel()), out.dtype, out.device)
         first = node.reduce_scatter(partial, by_local, async_op=True)
-        return self._issue(counted, _Then(first, lambda: rail.reduce_scatter(out, partial)), async_op)
+        return self._issue(counted, _Then(first, lambda: rail.reduce_scatter(out, partial)), async_op, start=start)
 
     def barrier(self) -> None:
         """Not counted: used by benchmarks to align ranks, never by schedules."""

@@ -448,8 +448,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, 
     """Attention of one block. Returns ``out [b, s_q, h, d]`` and ``lse [b, h, s_q]`` in the
     accumulation dtype."""
     _check_block(q, k, kind, mask)
-    trace.compute("forward", kind.value, q.shape[1], k.shape[1])
-    return _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, mask, None)
+    span = trace.compute("forward", kind.value, q.shape[1], k.shape[1])
+    result = _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, mask, None)
+    if span is not None:
+        trace.computed(span)
+    return result
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
@@ -463,11 +466,14 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if out is None and delta is None:
         raise ValueError("backward needs the row's final out, or its delta = rowsum(dout * out)")
     _check_block(q, k, kind, mask)
-    trace.compute("backward", kind.value, q.shape[1], k.shape[1])
+    span = trace.compute("backward", kind.value, q.shape[1], k.shape[1])
     path = kernel_for(q, kind, backend, k.shape[1])
     if out is None and path not in DELTA_PATHS:
         out, delta = out_for_delta(dout, delta), None
-    return _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta)
+    result = _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta)
+    if span is not None:
+        trace.computed(span)
+    return result
 
 
 def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float, pieces: int,
@@ -475,11 +481,14 @@ def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: Blo
     """:func:`forward` of ``pieces`` equal-shaped blocks of one kind stacked along the batch dimension
     (``q [b * pieces, s_q, h, d]``, batch row ``i * pieces + p`` is piece p), in one kernel call;
     PARTIAL blocks bring their masks stacked, ``mask [pieces, s_q, s_kv]``. The trace records one
-    compute event per block, so recordings count blocks as ``steps()`` do."""
+    compute event per block, so recordings count blocks as ``steps()`` do (a timeline: one span for the
+    call)."""
     _check_block(q, k, kind, mask, pieces)
-    for _ in range(pieces):
-        trace.compute("forward", kind.value, q.shape[1], k.shape[1])
-    return _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, mask, None)
+    span = trace.compute("forward", kind.value, q.shape[1], k.shape[1], pieces)
+    result = _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, mask, None)
+    if span is not None:
+        trace.computed(span)
+    return result
 
 
 def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -488,7 +497,9 @@ def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     """:func:`backward` of ``pieces`` stacked blocks, as :func:`forward_stacked` (one call, one trace event
     per block); each block's rows carry its rows' final ``out`` and ``lse``."""
     _check_block(q, k, kind, mask, pieces)
-    for _ in range(pieces):
-        trace.compute("backward", kind.value, q.shape[1], k.shape[1])
-    return _run_backward(kernel_for(q, kind, backend, k.shape[1]), dout, q, k, v, out, lse, kind, scale, mask,
-                         None)
+    span = trace.compute("backward", kind.value, q.shape[1], k.shape[1], pieces)
+    result = _run_backward(kernel_for(q, kind, backend, k.shape[1]), dout, q, k, v, out, lse, kind, scale, mask,
+                           None)
+    if span is not None:
+        trace.computed(span)
+    return result

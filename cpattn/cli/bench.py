@@ -41,7 +41,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="add the cost model's prediction and its error to each row, and the median |error|")
     b.add_argument("--profile", help="calibration profile for --predict (default: the one `cpattn calibrate` wrote)")
     b.add_argument("--json", help="also write the rows as JSON to this path (several configurations: {runs: [...]})")
-    b.add_argument("--plot", help="also write a PNG bar chart of efficiency (of the last configuration)")
+    b.add_argument("--plot", help="also write a PNG bar chart of efficiency (of the last configuration), with a "
+                                  "per-rank timeline panel of one stamped step for each schedule")
+    b.add_argument("--trace", metavar="DIR",
+                   help="stamp one more forward+backward per schedule and write its Chrome trace (Perfetto, "
+                        "chrome://tracing) per configuration into DIR; adds the hidden transfer fraction column")
     b.set_defaults(func=run)
     return b
 
@@ -105,12 +109,16 @@ def run(args) -> int:
     todo = configs(args)
     profile = a.load_profile(args.profile) if args.predict else None
     results = []
+    stamp = bool(args.trace or args.plot)  # the timeline step feeds the traces and the plot's panels
     for cfg, names in todo:
         with console.status("starting") as status:
             result = bench.run(cfg, names, progress=lambda msg, status=status: status.update(f"bench: {msg}"),
-                               flex=args.flex)
+                               flex=args.flex, timeline=stamp)
         if args.predict:
             bench.predict(result, profile)
+        if args.trace:
+            for path in bench.write_traces(result, args.trace):
+                console.print(f"wrote {path}")
         show_wide(bench.render(result))
         results.append(result)
     if args.predict:
