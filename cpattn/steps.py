@@ -14,7 +14,8 @@ must not span a synchronisation point.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .kernels import DTYPES, element_bytes
@@ -328,6 +329,11 @@ class CommOp:
     ``all_gather`` or ``all_to_all``; the per-rank output of a ``reduce_scatter``. ``hierarchical``
     all-gathers and reduce-scatters run in two levels (across nodes along each rail, then inside the
     node; reduce-scatter mirrored) and are accounted as one flat call.
+
+    What the executor (``cpattn.executor``) moves, outside the op's identity: ``send``, the buffer
+    role it sends (a ``sendrecv``'s message, an ``all_gather``'s or ``reduce_scatter``'s input), and
+    ``recv``, the role it receives into (a new buffer). A ``sendrecv``'s ``peer`` counts places along
+    the executor's ring (the group's ranks unless the schedule runs a ring of its own).
     """
 
     op: str
@@ -336,6 +342,8 @@ class CommOp:
     peer: int = 1
     root: int = 0
     hierarchical: bool = False
+    send: str | None = field(default=None, compare=False)
+    recv: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.op not in COMM_OPS:
@@ -370,12 +378,67 @@ class Step:
     counts sum to the world size; an idle rank has empty work). ``comm``: the ops issued in the step,
     sharing the links (their times add). ``overlap``: the ops run during the compute (True) or after
     it (False). ``live_bytes``: schedule buffers and accumulators alive on a rank during the step,
-    beyond the resident inputs and outputs (bytes)."""
+    beyond the resident inputs and outputs (bytes).
+
+    The program (``cpattn.executor`` runs it on every rank): ``run``, the actions of the step's
+    compute, during which the ops of ``comm`` are in flight when ``overlap``; ``after``, actions once
+    they have landed. Actions name buffer roles and rank-independent sources, so one step list serves
+    every rank (not part of the step's identity)."""
 
     work: tuple[tuple[Work, int], ...] = ()
     comm: tuple[CommOp, ...] = ()
     overlap: bool = True
     live_bytes: int = 0
+    run: tuple[Action, ...] = field(default=(), compare=False)
+    after: tuple[Action, ...] = field(default=(), compare=False)
+
+
+# ---------------------------------------------------------------------- actions (the executor's program)
+@dataclass(frozen=True)
+class Attend:
+    """Forward: attend the queries of role ``q`` to the packed key/values of role ``kv`` (``[2, b, s,
+    h_kv, d]``; ``index``: its slice ``kv[index]`` when the role holds several) with the blocks of
+    ``src`` (a key the schedule resolves on each rank, ``Schedule.blocks_of``; nothing to do when it
+    resolves to None), merged into the output accumulators of role ``into``."""
+
+    kv: str
+    src: Hashable
+    index: int | None = None
+    q: str = "q"
+    into: str = "out"
+
+
+@dataclass(frozen=True)
+class AttendBack:
+    """Backward of :class:`Attend`: the blocks' gradients added into ``dq`` (role ``dq``) and into the
+    packed float32 key/value gradients of role ``dkv`` (``index`` applies to both ``kv`` and
+    ``dkv``)."""
+
+    kv: str
+    src: Hashable
+    dkv: str
+    index: int | None = None
+
+
+@dataclass(frozen=True)
+class Zeros:
+    """A new float32 (accumulation dtype) zero buffer ``role`` shaped like role ``like`` (with a leading
+    dimension of ``count`` when given); ``out`` as ``like``: output accumulators (0, lse -inf)."""
+
+    role: str
+    like: str
+    count: int | None = None
+
+
+@dataclass(frozen=True)
+class Add:
+    """``role into += role src``, in place."""
+
+    into: str
+    src: str
+
+
+Action = Attend | AttendBack | Zeros | Add
 
 
 def distribution(works) -> tuple[tuple[Work, int], ...]:
@@ -384,6 +447,6 @@ def distribution(works) -> tuple[tuple[Work, int], ...]:
     return tuple(sorted(counts.items()))
 
 
-__all__ = ["BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES", "GROUPS", "Kernel", "PHASES", "Problem",
-           "Step", "TREE_OPS", "Work", "area", "attention_flops", "distribution", "group_size", "payload",
-           "split_phase", "wire", "work"]
+__all__ = ["Action", "Add", "Attend", "AttendBack", "BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES",
+           "GROUPS", "Kernel", "PHASES", "Problem", "Step", "TREE_OPS", "Work", "Zeros", "area", "attention_flops",
+           "distribution", "group_size", "payload", "split_phase", "wire", "work"]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cpattn"
-CORE = {"masks", "layout", "blocks", "kernels", "kernels_cuda", "merge", "comm", "trace", "topology", "steps", "pairs"}
+CORE = {"masks", "layout", "blocks", "kernels", "kernels_cuda", "merge", "comm", "trace", "topology", "steps", "pairs",
+        "executor"}
 LAYERS = {"core": 1, "schedules": 2, "model": 3, "tools": 4}
 
 

@@ -85,38 +85,30 @@ def test_run_matches_steps_when_diagonals_go_first(worlds, case):
     assert result.passed, result.describe()
 
 
-# ---------------------------------------------------------------------------------- a serialised ring
+# ---------------------------------------------------------------------------------- a serialising executor
 def serialised_ring_case(**fields) -> dict:
-    """On every rank: ``verify.rank_case`` with the ring's forward changed to wait for each transfer
-    before computing (exact, same bytes, nothing overlapped)."""
-    from cpattn.schedules import ring as ring_mod
-    from cpattn.schedules.base import attend, new_accumulators
+    """On every rank: ``verify.rank_case`` with the executor changed to wait for each transfer as soon
+    as it is issued, before the step's compute (exact, same bytes, nothing overlapped)."""
+    from cpattn import executor
 
-    def serial_forward(rt, q, kv, ring, blocks_of):
-        comm, n, i = rt.comm, len(ring), ring.index(rt.rank)
-        acc = new_accumulators(q)
-        cur = kv
-        for t in range(n):
-            if t < n - 1:
-                nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
-                comm.send_recv([(cur, ring[(i + 1) % n])], [(nxt, ring[(i - 1) % n])], tag=ring_mod.TAG_KV).wait()
-            attend(rt, q, cur[0], cur[1], blocks_of(t), acc)
-            if t < n - 1:
-                cur = nxt
-        return acc.out, acc.lse
+    original = executor._issue
 
-    original = ring_mod.ring_forward
-    ring_mod.ring_forward = serial_forward
+    def issue_and_wait(*args, **kwargs):
+        handle = original(*args, **kwargs)
+        handle.wait()
+        return handle
+
+    executor._issue = issue_and_wait
     try:
         return verify.rank_case(**fields)
     finally:
-        ring_mod.ring_forward = original
+        executor._issue = original
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_serialised_ring_fails(worlds, world):
-    """Exact and with the right bytes, but its transfers are not in flight during compute: only the
-    comparison with steps() sees it."""
+    """A serialising executor: exact and with the right bytes, but its transfers are not in flight
+    during compute; only the comparison with steps() sees it."""
     case = verify.Case("ring", world, "full", "float32", heads=4, kv_heads=2, head_dim=8, seq=48, seed=42)
     per_rank = worlds.get(world).run(serialised_ring_case, name="serialised ring", **dataclasses.asdict(case))
     assert not any(isinstance(r, RankError) for r in per_rank), per_rank

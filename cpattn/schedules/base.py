@@ -16,130 +16,19 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
-from .. import blocks as blocks_mod
-from .. import kernels
-from ..comm import Communicator
+from ..executor import Accumulators, BoundedCache, Run, Runtime, attend, attend_backward, new_accumulators
 from ..kernels import acc_dtype
-from ..layout import Layout
 from ..masks import BlockKind, Mask
-from ..merge import merge_into
 from ..pairs import PairWork, pair_work
 from ..steps import PHASES, Problem, Step, group_size
 from ..topology import Topology
 
 Volume = dict[str, dict[str, dict[str, int]]]  # phase -> op -> {"calls", "bytes_sent", "bytes_recv"}
-
-
-class BoundedCache:
-    """A least-recently-used map with at most ``maxsize`` entries, keyed by value."""
-
-    def __init__(self, maxsize: int = 1024) -> None:
-        self.maxsize = maxsize
-        self._items: OrderedDict[Hashable, Any] = OrderedDict()
-
-    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """The entry of ``key``, built by ``build()`` when missing (evicting the least recently used)."""
-        if key in self._items:
-            self._items.move_to_end(key)
-            return self._items[key]
-        value = build()
-        self._items[key] = value
-        if len(self._items) > self.maxsize:
-            self._items.popitem(last=False)
-        return value
-
-    def put(self, key: Hashable, value: Any) -> None:
-        """Store ``value`` under ``key`` (evicting the least recently used)."""
-        self._items[key] = value
-        self._items.move_to_end(key)
-        if len(self._items) > self.maxsize:
-            self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-@dataclass
-class Runtime:
-    """Everything a schedule needs for one call, identical on every rank of the group."""
-
-    comm: Communicator
-    mask: Mask
-    layout: Layout
-    padded_len: int  # the length the layout splits
-    scale: float = 1.0
-    backend: str = "auto"
-    topology: Topology | None = None  # nodes x devices per node, when the schedule should use it
-    seq_len: int | None = None  # the real tokens (None: padded_len); positions >= seq_len are padding
-    plan: Any = None  # planned schedules (``ultra``): the cpattn.planner.Plan of this call
-    block_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
-    batch_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
-
-    def __post_init__(self) -> None:
-        if self.seq_len is None:
-            self.seq_len = self.padded_len
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def world(self) -> int:
-        return self.comm.world_size
-
-    def blocks(self, q_rank: int | list[int], kv_ranks: list[int]) -> list[blocks_mod.Block]:
-        """Cached block list of the queries of ``q_rank`` (a rank, or several concatenated in that
-        order) against ``kv_ranks``' keys (concatenated in that order); padding is never covered."""
-        key = (q_rank if isinstance(q_rank, int) else tuple(q_rank), tuple(kv_ranks))
-        return self.block_cache.get(key, lambda: blocks_mod.for_ranks(self.mask, self.layout, self.padded_len,
-                                                                      self.world, q_rank, list(kv_ranks),
-                                                                      self.seq_len))
-
-
-    def batches(self, blocks: list[blocks_mod.Block], device: torch.device) -> list[Run]:
-        """The stacked kernel calls of ``blocks`` (``cpattn.blocks.batches``) with their row and column
-        indices and masks already on ``device``, kept per block list: a steady-state call copies nothing
-        from the host and reads nothing back."""
-        key = (id(blocks), str(device))
-        entry = self.batch_cache.get(key, lambda: (blocks, [Run.of(b, device) for b in blocks_mod.batches(blocks)]))
-        if entry[0] is not blocks:  # a list that died left its id to this one
-            entry = (blocks, [Run.of(b, device) for b in blocks_mod.batches(blocks)])
-            self.batch_cache.put(key, entry)
-        return entry[1]
-
-
-@dataclass(frozen=True)
-class Run:
-    """One stacked kernel call of a :class:`cpattn.blocks.Batch`, ready to run on a device: its rows and
-    columns as slices when contiguous, else as device indices (``host_rows``: the rows on the host), and
-    the stacked masks of PARTIAL blocks on the device."""
-
-    batch: blocks_mod.Batch
-    row_span: slice | None
-    col_span: slice | None
-    rows: torch.Tensor | None
-    cols: torch.Tensor | None
-    host_rows: np.ndarray | None
-    masks: torch.Tensor | None
-
-    @classmethod
-    def of(cls, batch: blocks_mod.Batch, device: torch.device) -> Run:
-        if not batch.stacked:
-            return cls(batch, None, None, None, None, None, None)
-        rs, cs = batch.row_span(), batch.col_span()
-        host_rows = batch.row_index() if rs is None else None
-        rows = torch.from_numpy(host_rows).to(device) if rs is None else None
-        cols = batch.cols().to(device) if cs is None else None
-        masks = batch.masks()
-        return cls(batch, rs, cs, rows, cols, host_rows, None if masks is None else masks.to(device))
 
 
 class Schedule:
@@ -259,129 +148,6 @@ class Schedule:
         for :meth:`steps` (closed forms where they exist, else the run-time block lists)."""
         return pair_work(problem.mask, problem.layout_or(self.layout_for(problem.mask)), problem.padded_len,
                          problem.world, problem.seq_len)
-
-
-class Accumulators:
-    """The float32 output ``[b, s, h, d]`` and lse ``[b, h, s]`` accumulators of local queries ``[b, s,
-    h, d]``, starting at (0, -inf), and which rows a block has written so far. That record is kept on
-    the host from the block lists, so deciding whether a block's rows can take its result as is (no
-    merge) never reads a device value. Unpacks as ``out, lse``."""
-
-    def __init__(self, q: torch.Tensor) -> None:
-        b, s, h, d = q.shape
-        acc = acc_dtype(q.dtype)
-        self.out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
-        self.lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
-        self._written = np.zeros(s, dtype=bool)  # per local query row
-
-    def __iter__(self):
-        return iter((self.out, self.lse))
-
-    def claim(self, rows: slice | np.ndarray) -> bool:
-        """Mark ``rows`` (a slice or host indices) written; True when none of them was written before (the
-        block's result can be copied in rather than merged)."""
-        fresh = not self._written[rows].any()
-        self._written[rows] = True
-        return fresh
-
-
-def new_accumulators(q: torch.Tensor) -> Accumulators:
-    """Zero output and -inf lse accumulators for local queries ``q [b, s, h, d]``."""
-    return Accumulators(q)
-
-
-def _take(x: torch.Tensor, span: slice | None, index: torch.Tensor, dim: int) -> torch.Tensor:
-    """Rows ``span`` (a view) or ``index`` (a gather) of ``x`` along ``dim``."""
-    if span is not None:
-        return x[(slice(None),) * dim + (span,)]
-    return x.index_select(dim, index)
-
-
-def _stack(x: torch.Tensor, span: slice | None, index: torch.Tensor, pieces: int) -> torch.Tensor:
-    """Rows of ``x [b, s, ...]`` (``pieces`` runs of equal length) -> ``[b * pieces, run, ...]``."""
-    g = _take(x, span, index, 1)
-    return g.reshape(g.shape[0] * pieces, g.shape[1] // pieces, *g.shape[2:])
-
-
-def _write(acc: Accumulators, span: slice | None, index: torch.Tensor | None, host_rows: np.ndarray | None,
-           o: torch.Tensor, lse: torch.Tensor) -> None:
-    """Merge ``(o, lse)`` into the accumulator rows ``span`` / ``index`` (distinct rows; ``host_rows``:
-    the same rows on the host when ``index`` is given). Rows no block has reached yet (out 0, lse -inf)
-    take the block's result as is: the merge would give exactly that, at the cost of a read and two
-    weightings of every output element."""
-    out_acc, lse_acc = acc.out, acc.lse
-    fresh = acc.claim(span if span is not None else host_rows)
-    if span is not None:
-        if fresh:
-            out_acc[:, span].copy_(o)
-            lse_acc[:, :, span].copy_(lse)
-        else:
-            merge_into(out_acc[:, span], lse_acc[:, :, span], o, lse)
-        return
-    if fresh:
-        out_acc.index_copy_(1, index, o.to(out_acc.dtype))
-        lse_acc.index_copy_(2, index, lse.to(lse_acc.dtype))
-        return
-    acc_o, acc_l = out_acc.index_select(1, index), lse_acc.index_select(2, index)
-    merge_into(acc_o, acc_l, o, lse)
-    out_acc.index_copy_(1, index, acc_o)
-    lse_acc.index_copy_(2, index, acc_l)
-
-
-def attend(rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[blocks_mod.Block],
-           acc: Accumulators) -> None:
-    """Run the forward kernel on the blocks and merge them into the accumulators ``acc`` (in place).
-    Blocks of one kind and shape run as one stacked call (``cpattn.blocks.batches``); their rows are
-    disjoint, so the call's output goes into the accumulator rows at once (merged, or written where
-    nothing was)."""
-    b = q.shape[0]
-    for run in rt.batches(blocks, q.device):
-        batch = run.batch
-        if not batch.stacked:
-            blk = batch.blocks[0]
-            o, lse = kernels.forward(q[:, blk.q], k[:, blk.kv], v[:, blk.kv], blk.kind, rt.scale, blk.mask,
-                                     rt.backend)
-            _write(acc, blk.q, None, None, o, lse)
-            continue
-        n = len(batch.blocks)
-        rs, cs, rows, cols = run.row_span, run.col_span, run.rows, run.cols
-        o, lse = kernels.forward_stacked(_stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
-                                         batch.kind, rt.scale, n, rt.backend, run.masks)
-        o = o.reshape(b, -1, *o.shape[2:])
-        lse = lse.reshape(b, n, *lse.shape[1:]).transpose(1, 2).reshape(b, lse.shape[1], -1)
-        _write(acc, rs, rows, run.host_rows, o, lse)
-
-
-def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, blocks: list[blocks_mod.Block],
-                    dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
-    """Run the backward kernel on the blocks (stacked as in :func:`attend`) and add their gradients into
-    the accumulators; ``index_add_`` sums the key gradients of blocks that share key rows."""
-    b = q.shape[0]
-    for run in rt.batches(blocks, q.device):
-        batch = run.batch
-        if not batch.stacked:
-            blk = batch.blocks[0]
-            dq, dk, dv = kernels.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.kv], v[:, blk.kv], out[:, blk.q],
-                                          lse[:, :, blk.q], blk.kind, rt.scale, blk.mask, rt.backend)
-            dq_acc[:, blk.q] += dq
-            dk_acc[:, blk.kv] += dk
-            dv_acc[:, blk.kv] += dv
-            continue
-        n = len(batch.blocks)
-        rs, cs, rows, cols = run.row_span, run.col_span, run.rows, run.cols
-        lse_b = _take(lse, rs, rows, 2)
-        lse_b = lse_b.reshape(b, lse.shape[1], n, -1).transpose(1, 2).reshape(b * n, lse.shape[1], -1)
-        dq, dk, dv = kernels.backward_stacked(
-            _stack(dout, rs, rows, n), _stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
-            _stack(out, rs, rows, n), lse_b, batch.kind, rt.scale, n, rt.backend, run.masks)
-        for acc, grad, span, index in ((dq_acc, dq, rs, rows), (dk_acc, dk, cs, cols), (dv_acc, dv, cs, cols)):
-            grad = grad.reshape(b, -1, *grad.shape[2:])
-            if span is not None:
-                acc[:, span] += grad
-            else:
-                acc.index_add_(1, index, grad)
-
 
 # ---------------------------------------------------------------------- the attention op
 # ``cpattn::attention`` is one ``torch.library`` custom op: ``torch.compile`` treats it as a unit (its

@@ -9,91 +9,84 @@ its contribution, and after P hops it is home. The incoming accumulator is waite
 step's block gradients are computed, so its transfer overlaps compute too. dq stays local.
 
 Per rank (P > 1): forward sends and receives (P-1) packed kv; backward (P-1) packed kv plus P float32
-dk/dv accumulators (what :meth:`RingSchedule.steps` declares). ``ring_forward`` / ``ring_backward``
-run the same ring over any list of ranks (``usp`` runs it across its Ulysses groups). Any range layout
-works (``custom_layout``).
+dk/dv accumulators (what :meth:`RingSchedule.steps` declares). The steps are the program: the
+executor (``cpattn.executor``) runs them, so the loop below is data, not code. ``ring_forward`` /
+``ring_backward`` run the same ring over any list of ranks (``usp`` runs it across its Ulysses groups).
+Any range layout works (``custom_layout``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from ..blocks import Block
-from ..kernels import acc_dtype
-from ..steps import CommOp, Problem, Step, Work
+from ..executor import execute
+from ..steps import Add, Attend, AttendBack, CommOp, Problem, Step, Work, Zeros
 from ..topology import Topology
-from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
-
-TAG_KV, TAG_DKV = 0, 1
-
-
-def ring_forward(rt: Runtime, q: torch.Tensor, kv: torch.Tensor, ring: list[int],
-                 blocks_of: Callable[[int], list[Block]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward ring over the group ranks ``ring`` (this rank among them): packed ``kv [2, b, s, h_kv,
-    d]`` moves one place along the ring per step; at step t this rank attends ``q`` to the kv that
-    started t places behind it, with blocks ``blocks_of(t)``. Returns the float32 (out, lse)
-    accumulators."""
-    comm, n, i = rt.comm, len(ring), ring.index(rt.rank)
-    nxt_rank, prv_rank = ring[(i + 1) % n], ring[(i - 1) % n]
-    acc = new_accumulators(q)
-    cur = kv  # one message per step
-    for t in range(n):
-        if t < n - 1:
-            nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
-            handle = comm.send_recv([(cur, nxt_rank)], [(nxt, prv_rank)], tag=TAG_KV)
-        attend(rt, q, cur[0], cur[1], blocks_of(t), acc)
-        if t < n - 1:
-            handle.wait()
-            cur = nxt
-    return acc.out, acc.lse
-
-
-def ring_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, ring: list[int], blocks_of: Callable[[int], list[Block]]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward ring matching :func:`ring_forward`; returns float32 ``dq`` and this rank's packed
-    ``dkv [2, b, s, h_kv, d]`` (home after a full turn)."""
-    comm, n, i = rt.comm, len(ring), ring.index(rt.rank)
-    nxt_rank, prv_rank = ring[(i + 1) % n], ring[(i - 1) % n]
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-    cur = kv
-    incoming = None  # (handle, buffer) of the dk/dv accumulator arriving from the previous rank
-    for t in range(n):
-        if t < n - 1:
-            nxt = comm.new_buffer(cur.shape, cur.dtype, cur.device)
-            kv_handle = comm.send_recv([(cur, nxt_rank)], [(nxt, prv_rank)], tag=TAG_KV)
-        local = torch.zeros(cur.shape, dtype=dq.dtype, device=q.device)
-        attend_backward(rt, dout, q, cur[0], cur[1], out, lse, blocks_of(t), dq, local[0], local[1])
-        if incoming is not None:
-            incoming[0].wait()
-            local += incoming[1]
-        if n > 1:
-            buf = comm.new_buffer(local.shape, local.dtype, local.device)
-            incoming = (comm.send_recv([(local, nxt_rank)], [(buf, prv_rank)], tag=TAG_DKV), buf)
-        if t < n - 1:
-            kv_handle.wait()
-            cur = nxt
-    if incoming is not None:
-        incoming[0].wait()
-        local = incoming[1]
-    return dq, local
+from .base import Runtime, Schedule
 
 
 def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], kv: CommOp, dkv: CommOp, phase: str,
                live: int) -> list[Step]:
-    """The cost-model steps of :func:`ring_forward` / :func:`ring_backward` on a ring of ``n`` ranks: step
-    t runs ``work_at(t)`` (a distribution over every rank) while the next ``kv`` travels. Backward, the
-    ``dkv`` accumulator sent after step t's compute travels during step t+1; the last one lands after the
-    loop (a step with nothing to overlap). ``live``: buffer bytes alive on a rank."""
+    """The ring on ``n`` ranks, as a program (``cpattn.executor``). Forward, step t attends the kv that
+    started t places behind (role ``kv{t}``, source ``("ring", t)``) while ``kv{t}`` travels one place
+    on as ``kv{t+1}``. Backward, the same kv ring; step t's float32 dk/dv (``dkv{t}``) is sent after
+    its compute, travels during step t+1 and is added to the next rank's ``dkv{t+1}``; the last one
+    lands after the loop (a step with nothing to overlap) as ``dkv``, home after a full turn.
+    ``work_at(t)``: the work distribution of step t over the ring's ranks (the cost model's view);
+    ``live``: buffer bytes alive on a rank."""
+    def kv_move(t: int) -> tuple[CommOp, ...]:
+        return (replace(kv, send=f"kv{t}", recv=f"kv{t + 1}"),) if t < n - 1 else ()
+
     if phase == "forward":
-        return [Step(work_at(t), (kv,) if t < n - 1 else (), live_bytes=live) for t in range(n)]
-    steps = [Step(work_at(t), ((kv,) if t < n - 1 else ()) + ((dkv,) if t > 0 else ()), live_bytes=live)
-             for t in range(n)]
+        return [Step(work_at(t), kv_move(t), live_bytes=live,
+                     run=((Zeros("out", "q"),) if t == 0 else ()) + (Attend(f"kv{t}", ("ring", t)),))
+                for t in range(n)]
+    steps = []
+    for t in range(n):
+        dkv_move = (replace(dkv, send=f"dkv{t - 1}", recv=f"in{t}"),) if t > 0 else ()
+        run = ((Zeros("dq", "q"),) if t == 0 else ()) + (Zeros(f"dkv{t}", f"kv{t}"),
+                                                          AttendBack(f"kv{t}", ("ring", t), f"dkv{t}"))
+        steps.append(Step(work_at(t), kv_move(t) + dkv_move, live_bytes=live, run=run,
+                          after=(Add(f"dkv{t}", f"in{t}"),) if t > 0 else ()))
     if n > 1:
-        steps.append(Step((), (dkv,), overlap=False, live_bytes=live))
+        steps.append(Step((), (replace(dkv, send=f"dkv{n - 1}", recv="dkv"),), overlap=False, live_bytes=live))
     return steps
+
+
+def _home(n: int) -> str:
+    """The role of this rank's dk/dv at the end of :func:`ring_steps`' backward."""
+    return "dkv" if n > 1 else "dkv0"
+
+
+def ring_forward(rt: Runtime, q: torch.Tensor, kv: torch.Tensor, ring: list[int],
+                 blocks_of: Callable[[int], list[Block]], steps: list[Step] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward ring over the group ranks ``ring`` (this rank among them): packed ``kv [2, b, s, h_kv,
+    d]`` moves one place along the ring per step; at step t this rank attends ``q`` to the kv that
+    started t places behind it, with blocks ``blocks_of(t)``. ``steps``: the program (default
+    :func:`ring_steps` without a cost view). Returns the float32 (out, lse) accumulators."""
+    n = len(ring)
+    steps = steps if steps is not None else ring_steps(n, lambda t: (), CommOp("sendrecv", 0), CommOp("sendrecv", 0),
+                                                       "forward", 0)
+    roles = execute(rt, steps, {"q": q, "kv0": kv}, lambda src: blocks_of(src[1]), ring, keep=("out",))
+    return roles["out"].out, roles["out"].lse
+
+
+def ring_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, ring: list[int], blocks_of: Callable[[int], list[Block]],
+                  steps: list[Step] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward ring matching :func:`ring_forward`; returns float32 ``dq`` and this rank's packed
+    ``dkv [2, b, s, h_kv, d]`` (home after a full turn)."""
+    n = len(ring)
+    steps = steps if steps is not None else ring_steps(n, lambda t: (), CommOp("sendrecv", 0), CommOp("sendrecv", 0),
+                                                       "backward", 0)
+    roles = execute(rt, steps, {"q": q, "kv0": kv, "dout": dout, "out": out, "lse": lse},
+                    lambda src: blocks_of(src[1]), ring, keep=("dq", _home(n)))
+    return roles["dq"], roles[_home(n)]
 
 
 class RingSchedule(Schedule):
@@ -104,16 +97,21 @@ class RingSchedule(Schedule):
     memory = "O(local), 2 kv buffers"
     summary = "p2p ring of kv blocks; dk/dv travel with their kv"
 
+    def ring_blocks(self, rt: Runtime, t: int) -> list[Block]:
+        """This rank's blocks against the kv that started ``t`` places behind it on the ring."""
+        r = rt.rank
+        return rt.blocks(r, [(r - t) % rt.world])
+
     def forward(self, rt: Runtime, q, k, v):
-        p, r = rt.world, rt.rank
-        out_acc, lse_acc = ring_forward(rt, q, torch.stack([k, v]), list(range(p)),
-                                        lambda t: rt.blocks(r, [(r - t) % p]))
+        steps = self.steps(rt.problem(q, k), "forward", rt.topology)
+        out_acc, lse_acc = ring_forward(rt, q, torch.stack([k, v]), list(range(rt.world)),
+                                        lambda t: self.ring_blocks(rt, t), steps)
         return out_acc.to(q.dtype), lse_acc
 
     def backward(self, rt: Runtime, dout, q, k, v, out, lse):
-        p, r = rt.world, rt.rank
-        dq, dkv = ring_backward(rt, dout, q, torch.stack([k, v]), out, lse, list(range(p)),
-                                lambda t: rt.blocks(r, [(r - t) % p]))
+        steps = self.steps(rt.problem(q, k), "backward", rt.topology)
+        dq, dkv = ring_backward(rt, dout, q, torch.stack([k, v]), out, lse, list(range(rt.world)),
+                                lambda t: self.ring_blocks(rt, t), steps)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:

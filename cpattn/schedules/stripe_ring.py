@@ -43,7 +43,7 @@ from ..masks import (
 from ..pairs import PairWork
 from ..steps import Kernel, Problem, Work, work
 from .base import Runtime
-from .ring import RingSchedule, ring_backward, ring_forward
+from .ring import RingSchedule
 
 STRIPED = Layout("striped")
 #: masks with one kind per cell of ``block_size`` x ``block_size`` tokens (CAUSAL on the diagonal when causal)
@@ -198,17 +198,9 @@ class StripeRingSchedule(RingSchedule):
         return rt.block_cache.get(key, lambda: striped_blocks(rt.mask, rt.padded_len, rt.world, q_rank, kv_rank,
                                                               rt.seq_len))
 
-    def forward(self, rt: Runtime, q, k, v):
-        p, r = rt.world, rt.rank
-        out_acc, lse_acc = ring_forward(rt, q, torch.stack([k, v]), list(range(p)),
-                                        lambda t: self._blocks(rt, r, (r - t) % p))
-        return out_acc.to(q.dtype), lse_acc
-
-    def backward(self, rt: Runtime, dout, q, k, v, out, lse):
-        p, r = rt.world, rt.rank
-        dq, dkv = ring_backward(rt, dout, q, torch.stack([k, v]), out, lse, list(range(p)),
-                                lambda t: self._blocks(rt, r, (r - t) % p))
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    def ring_blocks(self, rt: Runtime, t: int) -> list[Block]:
+        r = rt.rank
+        return self._blocks(rt, r, (r - t) % rt.world)
 
     def pairs(self, problem: Problem) -> PairWork:
         """The closed form for the causal and full masks without padding, else :class:`StripedPairs`

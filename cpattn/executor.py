@@ -1,0 +1,382 @@
+"""The one executor: the runtime a call runs in, the local block computations, and the runner of a
+schedule's steps.
+
+A schedule's ``steps(problem, phase, topology)`` (``cpattn.steps``) are its program: per step, the
+communication ops (with the buffer roles they send and receive into) and the actions of the step's
+compute (:class:`~cpattn.steps.Attend`, :class:`~cpattn.steps.AttendBack`, ...). :func:`execute` runs
+such a list on one rank: per step it issues the ops, runs the compute while they are in flight, waits
+for them, runs the step's ``after`` actions, and drops the buffers no later step uses. So issue and
+wait order, double buffering and the overlap of transfers with compute live here, once, and the
+recording check (``cpattn.verify.check_steps``) holds the run to the very steps it was given.
+
+Also here: :class:`Runtime` (what a call needs, identical on every rank), :class:`Accumulators`
+(output and lse accumulators whose written rows are known on the host, so nothing is read back from
+the device), :func:`attend` / :func:`attend_backward` (blocks batched into stacked kernel calls).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import blocks as blocks_mod
+from . import kernels
+from .comm import Communicator
+from .kernels import acc_dtype
+from .layout import Layout
+from .masks import Mask
+from .merge import merge_into
+from .steps import Add, Attend, AttendBack, CommOp, Problem, Step, Zeros
+from .topology import Topology
+
+
+class BoundedCache:
+    """A least-recently-used map with at most ``maxsize`` entries, keyed by value."""
+
+    def __init__(self, maxsize: int = 1024) -> None:
+        self.maxsize = maxsize
+        self._items: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The entry of ``key``, built by ``build()`` when missing (evicting the least recently used)."""
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        value = build()
+        self._items[key] = value
+        if len(self._items) > self.maxsize:
+            self._items.popitem(last=False)
+        return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        """Store ``value`` under ``key`` (evicting the least recently used)."""
+        self._items[key] = value
+        self._items.move_to_end(key)
+        if len(self._items) > self.maxsize:
+            self._items.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass
+class Runtime:
+    """Everything a schedule needs for one call, identical on every rank of the group."""
+
+    comm: Communicator
+    mask: Mask
+    layout: Layout
+    padded_len: int  # the length the layout splits
+    scale: float = 1.0
+    backend: str = "auto"
+    topology: Topology | None = None  # nodes x devices per node, when the schedule should use it
+    seq_len: int | None = None  # the real tokens (None: padded_len); positions >= seq_len are padding
+    plan: Any = None  # planned schedules (``ultra``): the cpattn.planner.Plan of this call
+    block_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
+    batch_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
+
+    def __post_init__(self) -> None:
+        if self.seq_len is None:
+            self.seq_len = self.padded_len
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def problem(self, q: torch.Tensor, k: torch.Tensor) -> Problem:
+        """The :class:`~cpattn.steps.Problem` of a call with local ``q [b, s, h, d]``, ``k [b, s, h_kv,
+        d]`` on this runtime (its layout and padding)."""
+        b, _, h, d = q.shape
+        return Problem(self.seq_len, self.world, self.mask, b, h, k.shape[2], d, kernels.dtype_name(q.dtype),
+                       layout=self.layout, padded_len=self.padded_len)
+
+    @property
+    def world(self) -> int:
+        return self.comm.world_size
+
+    def blocks(self, q_rank: int | list[int], kv_ranks: list[int]) -> list[blocks_mod.Block]:
+        """Cached block list of the queries of ``q_rank`` (a rank, or several concatenated in that
+        order) against ``kv_ranks``' keys (concatenated in that order); padding is never covered."""
+        key = (q_rank if isinstance(q_rank, int) else tuple(q_rank), tuple(kv_ranks))
+        return self.block_cache.get(key, lambda: blocks_mod.for_ranks(self.mask, self.layout, self.padded_len,
+                                                                      self.world, q_rank, list(kv_ranks),
+                                                                      self.seq_len))
+
+
+    def batches(self, blocks: list[blocks_mod.Block], device: torch.device) -> list[Run]:
+        """The stacked kernel calls of ``blocks`` (``cpattn.blocks.batches``) with their row and column
+        indices and masks already on ``device``, kept per block list: a steady-state call copies nothing
+        from the host and reads nothing back."""
+        key = (id(blocks), str(device))
+        entry = self.batch_cache.get(key, lambda: (blocks, [Run.of(b, device) for b in blocks_mod.batches(blocks)]))
+        if entry[0] is not blocks:  # a list that died left its id to this one
+            entry = (blocks, [Run.of(b, device) for b in blocks_mod.batches(blocks)])
+            self.batch_cache.put(key, entry)
+        return entry[1]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One stacked kernel call of a :class:`cpattn.blocks.Batch`, ready to run on a device: its rows and
+    columns as slices when contiguous, else as device indices (``host_rows``: the rows on the host), and
+    the stacked masks of PARTIAL blocks on the device."""
+
+    batch: blocks_mod.Batch
+    row_span: slice | None
+    col_span: slice | None
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+    host_rows: np.ndarray | None
+    masks: torch.Tensor | None
+
+    @classmethod
+    def of(cls, batch: blocks_mod.Batch, device: torch.device) -> Run:
+        if not batch.stacked:
+            return cls(batch, None, None, None, None, None, None)
+        rs, cs = batch.row_span(), batch.col_span()
+        host_rows = batch.row_index() if rs is None else None
+        rows = torch.from_numpy(host_rows).to(device) if rs is None else None
+        cols = batch.cols().to(device) if cs is None else None
+        masks = batch.masks()
+        return cls(batch, rs, cs, rows, cols, host_rows, None if masks is None else masks.to(device))
+
+
+
+class Accumulators:
+    """The float32 output ``[b, s, h, d]`` and lse ``[b, h, s]`` accumulators of local queries ``[b, s,
+    h, d]``, starting at (0, -inf), and which rows a block has written so far. That record is kept on
+    the host from the block lists, so deciding whether a block's rows can take its result as is (no
+    merge) never reads a device value. Unpacks as ``out, lse``."""
+
+    def __init__(self, q: torch.Tensor) -> None:
+        b, s, h, d = q.shape
+        acc = acc_dtype(q.dtype)
+        self.out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
+        self.lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+        self._written = np.zeros(s, dtype=bool)  # per local query row
+
+    def __iter__(self):
+        return iter((self.out, self.lse))
+
+    def claim(self, rows: slice | np.ndarray) -> bool:
+        """Mark ``rows`` (a slice or host indices) written; True when none of them was written before (the
+        block's result can be copied in rather than merged)."""
+        fresh = not self._written[rows].any()
+        self._written[rows] = True
+        return fresh
+
+
+def new_accumulators(q: torch.Tensor) -> Accumulators:
+    """Zero output and -inf lse accumulators for local queries ``q [b, s, h, d]``."""
+    return Accumulators(q)
+
+
+def _take(x: torch.Tensor, span: slice | None, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows ``span`` (a view) or ``index`` (a gather) of ``x`` along ``dim``."""
+    if span is not None:
+        return x[(slice(None),) * dim + (span,)]
+    return x.index_select(dim, index)
+
+
+def _stack(x: torch.Tensor, span: slice | None, index: torch.Tensor, pieces: int) -> torch.Tensor:
+    """Rows of ``x [b, s, ...]`` (``pieces`` runs of equal length) -> ``[b * pieces, run, ...]``."""
+    g = _take(x, span, index, 1)
+    return g.reshape(g.shape[0] * pieces, g.shape[1] // pieces, *g.shape[2:])
+
+
+def _write(acc: Accumulators, span: slice | None, index: torch.Tensor | None, host_rows: np.ndarray | None,
+           o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge ``(o, lse)`` into the accumulator rows ``span`` / ``index`` (distinct rows; ``host_rows``:
+    the same rows on the host when ``index`` is given). Rows no block has reached yet (out 0, lse -inf)
+    take the block's result as is: the merge would give exactly that, at the cost of a read and two
+    weightings of every output element."""
+    out_acc, lse_acc = acc.out, acc.lse
+    fresh = acc.claim(span if span is not None else host_rows)
+    if span is not None:
+        if fresh:
+            out_acc[:, span].copy_(o)
+            lse_acc[:, :, span].copy_(lse)
+        else:
+            merge_into(out_acc[:, span], lse_acc[:, :, span], o, lse)
+        return
+    if fresh:
+        out_acc.index_copy_(1, index, o.to(out_acc.dtype))
+        lse_acc.index_copy_(2, index, lse.to(lse_acc.dtype))
+        return
+    acc_o, acc_l = out_acc.index_select(1, index), lse_acc.index_select(2, index)
+    merge_into(acc_o, acc_l, o, lse)
+    out_acc.index_copy_(1, index, acc_o)
+    lse_acc.index_copy_(2, index, acc_l)
+
+
+def attend(rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[blocks_mod.Block],
+           acc: Accumulators) -> None:
+    """Run the forward kernel on the blocks and merge them into the accumulators ``acc`` (in place).
+    Blocks of one kind and shape run as one stacked call (``cpattn.blocks.batches``); their rows are
+    disjoint, so the call's output goes into the accumulator rows at once (merged, or written where
+    nothing was)."""
+    b = q.shape[0]
+    for run in rt.batches(blocks, q.device):
+        batch = run.batch
+        if not batch.stacked:
+            blk = batch.blocks[0]
+            o, lse = kernels.forward(q[:, blk.q], k[:, blk.kv], v[:, blk.kv], blk.kind, rt.scale, blk.mask,
+                                     rt.backend)
+            _write(acc, blk.q, None, None, o, lse)
+            continue
+        n = len(batch.blocks)
+        rs, cs, rows, cols = run.row_span, run.col_span, run.rows, run.cols
+        o, lse = kernels.forward_stacked(_stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
+                                         batch.kind, rt.scale, n, rt.backend, run.masks)
+        o = o.reshape(b, -1, *o.shape[2:])
+        lse = lse.reshape(b, n, *lse.shape[1:]).transpose(1, 2).reshape(b, lse.shape[1], -1)
+        _write(acc, rs, rows, run.host_rows, o, lse)
+
+
+def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, blocks: list[blocks_mod.Block],
+                    dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
+    """Run the backward kernel on the blocks (stacked as in :func:`attend`) and add their gradients into
+    the accumulators; ``index_add_`` sums the key gradients of blocks that share key rows."""
+    b = q.shape[0]
+    for run in rt.batches(blocks, q.device):
+        batch = run.batch
+        if not batch.stacked:
+            blk = batch.blocks[0]
+            dq, dk, dv = kernels.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.kv], v[:, blk.kv], out[:, blk.q],
+                                          lse[:, :, blk.q], blk.kind, rt.scale, blk.mask, rt.backend)
+            dq_acc[:, blk.q] += dq
+            dk_acc[:, blk.kv] += dk
+            dv_acc[:, blk.kv] += dv
+            continue
+        n = len(batch.blocks)
+        rs, cs, rows, cols = run.row_span, run.col_span, run.rows, run.cols
+        lse_b = _take(lse, rs, rows, 2)
+        lse_b = lse_b.reshape(b, lse.shape[1], n, -1).transpose(1, 2).reshape(b * n, lse.shape[1], -1)
+        dq, dk, dv = kernels.backward_stacked(
+            _stack(dout, rs, rows, n), _stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
+            _stack(out, rs, rows, n), lse_b, batch.kind, rt.scale, n, rt.backend, run.masks)
+        for acc, grad, span, index in ((dq_acc, dq, rs, rows), (dk_acc, dk, cs, cols), (dv_acc, dv, cs, cols)):
+            grad = grad.reshape(b, -1, *grad.shape[2:])
+            if span is not None:
+                acc[:, span] += grad
+            else:
+                acc.index_add_(1, index, grad)
+
+
+
+
+# ---------------------------------------------------------------------- the runner
+#: ``blocks_of(src)``: the blocks of an action's source on this rank (None: nothing to compute)
+BlocksOf = Callable[[Hashable], "list[blocks_mod.Block] | None"]
+
+
+def _roles(action) -> tuple[str, ...]:
+    """The buffer roles an action reads or writes."""
+    if isinstance(action, Attend):
+        return (action.kv, action.q, action.into)
+    if isinstance(action, AttendBack):
+        return (action.kv, action.dkv, "q", "dout", "out", "lse", "dq")
+    if isinstance(action, Zeros):
+        return (action.role, action.like)
+    if isinstance(action, Add):
+        return (action.into, action.src)
+    raise TypeError(f"unknown action {action!r}")
+
+
+def _last_uses(steps: list[Step]) -> list[set[str]]:
+    """Per step, the roles whose last use is in it (dropped once the step ends)."""
+    last: dict[str, int] = {}
+    for i, st in enumerate(steps):
+        for op in st.comm:
+            for role in (op.send, op.recv):
+                if role is not None:
+                    last[role] = i
+        for action in (*st.run, *st.after):
+            for role in _roles(action):
+                last[role] = i
+    drop: list[set[str]] = [set() for _ in steps]
+    for role, i in last.items():
+        drop[i].add(role)
+    return drop
+
+
+def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any], ring: list[int]):
+    """Start ``op`` on this rank; its handle. Received buffers are new (``Communicator.new_buffer``)."""
+    comm = rt.comm
+    send = roles[op.send]
+    if op.op == "sendrecv":
+        i, n = ring.index(rt.rank), len(ring)
+        buf = comm.new_buffer(send.shape, send.dtype, send.device)
+        roles[op.recv] = buf
+        return comm.send_recv([(send, ring[(i + op.peer) % n])], [(buf, ring[(i - op.peer) % n])], tag=tag)
+    hierarchy = rt.topology if op.hierarchical else None
+    if op.op == "all_gather":
+        buf = comm.new_buffer((comm.world_size, *send.shape), send.dtype, send.device)
+        roles[op.recv] = buf
+        return comm.hierarchical_all_gather(buf, send, hierarchy, async_op=True)
+    if op.op == "reduce_scatter":
+        buf = comm.new_buffer(send.shape[1:], send.dtype, send.device)
+        roles[op.recv] = buf
+        return comm.hierarchical_reduce_scatter(buf, send, hierarchy, async_op=True)
+    raise NotImplementedError(f"the executor does not run {op.op!r} ops yet")
+
+
+def _slice(t: torch.Tensor, index: int | None) -> torch.Tensor:
+    return t if index is None else t[index]
+
+
+def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf) -> None:
+    if isinstance(action, Attend):
+        blocks = blocks_of(action.src)
+        if blocks is not None:
+            kv = _slice(roles[action.kv], action.index)
+            attend(rt, roles[action.q], kv[0], kv[1], blocks, roles[action.into])
+    elif isinstance(action, AttendBack):
+        blocks = blocks_of(action.src)
+        if blocks is not None:
+            kv, dkv = _slice(roles[action.kv], action.index), _slice(roles[action.dkv], action.index)
+            attend_backward(rt, roles["dout"], roles["q"], kv[0], kv[1], roles["out"], roles["lse"], blocks,
+                            roles["dq"], dkv[0], dkv[1])
+    elif isinstance(action, Zeros):
+        like = roles[action.like]
+        if action.role == "out":
+            roles["out"] = Accumulators(like)
+            return
+        shape = like.shape if action.count is None else (action.count, *like.shape)
+        roles[action.role] = torch.zeros(shape, dtype=acc_dtype(like.dtype), device=like.device)
+    elif isinstance(action, Add):
+        roles[action.into] += roles[action.src]
+    else:
+        raise TypeError(f"unknown action {action!r}")
+
+
+def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: BlocksOf,
+            ring: list[int] | None = None, keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run ``steps`` on this rank, starting from the buffers ``roles`` (e.g. ``q``, ``kv0``; backward
+    also ``dout``, ``out``, ``lse``); returns the roles alive at the end, and those of ``keep`` whatever
+    their last use. Per step: issue its ops (in order; the i-th op of a step has tag i), run its
+    ``run`` actions, wait for the ops, run its ``after`` actions, drop the roles no later step uses.
+    ``ring``: the ranks a ``sendrecv``'s ``peer`` counts along (default: the group's ranks)."""
+    ring = list(range(rt.world)) if ring is None else ring
+    drops = _last_uses(steps)
+    for st, drop in zip(steps, drops):
+        handles = [_issue(rt, op, tag, roles, ring) for tag, op in enumerate(st.comm)]
+        for action in st.run:
+            _do(rt, action, roles, blocks_of)
+        for handle in handles:
+            handle.wait()
+        for action in st.after:
+            _do(rt, action, roles, blocks_of)
+        for role in drop - set(keep):
+            roles.pop(role, None)
+    return roles
+
+
+__all__ = ["Accumulators", "BoundedCache", "Run", "Runtime", "attend", "attend_backward", "execute",
+           "new_accumulators"]
