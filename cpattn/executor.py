@@ -31,7 +31,7 @@ from .kernels import acc_dtype
 from .layout import Layout
 from .masks import Mask
 from .merge import merge_into
-from .steps import Add, Attend, AttendBack, CommOp, Problem, Step, Zeros
+from .steps import OWN, Add, Attend, AttendBack, CommOp, Problem, Step, Zeros
 from .topology import Topology
 
 
@@ -327,20 +327,23 @@ def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any], ring: list[
     raise NotImplementedError(f"the executor does not run {op.op!r} ops yet")
 
 
-def _slice(t: torch.Tensor, index: int | None) -> torch.Tensor:
-    return t if index is None else t[index]
+def _slice(t: torch.Tensor, index: int | str | None, rank: int) -> torch.Tensor:
+    if index is None:
+        return t
+    return t[rank if index == OWN else index]
 
 
 def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf) -> None:
     if isinstance(action, Attend):
         blocks = blocks_of(action.src)
         if blocks is not None:
-            kv = _slice(roles[action.kv], action.index)
+            kv = _slice(roles[action.kv], action.index, rt.rank)
             attend(rt, roles[action.q], kv[0], kv[1], blocks, roles[action.into])
     elif isinstance(action, AttendBack):
         blocks = blocks_of(action.src)
         if blocks is not None:
-            kv, dkv = _slice(roles[action.kv], action.index), _slice(roles[action.dkv], action.index)
+            kv = _slice(roles[action.kv], action.index, rt.rank)
+            dkv = _slice(roles[action.dkv], action.dkv_index, rt.rank)
             attend_backward(rt, roles["dout"], roles["q"], kv[0], kv[1], roles["out"], roles["lse"], blocks,
                             roles["dq"], dkv[0], dkv[1])
     elif isinstance(action, Zeros):

@@ -394,16 +394,21 @@ class Step:
 
 
 # ---------------------------------------------------------------------- actions (the executor's program)
+#: an action's ``index`` that means "this rank's" (e.g. its own slot of a gathered buffer)
+OWN = "own"
+
+
 @dataclass(frozen=True)
 class Attend:
     """Forward: attend the queries of role ``q`` to the packed key/values of role ``kv`` (``[2, b, s,
-    h_kv, d]``; ``index``: its slice ``kv[index]`` when the role holds several) with the blocks of
-    ``src`` (a key the schedule resolves on each rank, ``Schedule.blocks_of``; nothing to do when it
-    resolves to None), merged into the output accumulators of role ``into``."""
+    h_kv, d]``; ``index``: its slice ``kv[index]`` when the role holds several, :data:`OWN` for this
+    rank's) with the blocks of ``src`` (a key the schedule resolves on each rank,
+    ``Schedule.blocks_of``; nothing to do when it resolves to None), merged into the output
+    accumulators of role ``into``."""
 
     kv: str
     src: Hashable
-    index: int | None = None
+    index: int | str | None = None
     q: str = "q"
     into: str = "out"
 
@@ -411,13 +416,14 @@ class Attend:
 @dataclass(frozen=True)
 class AttendBack:
     """Backward of :class:`Attend`: the blocks' gradients added into ``dq`` (role ``dq``) and into the
-    packed float32 key/value gradients of role ``dkv`` (``index`` applies to both ``kv`` and
-    ``dkv``)."""
+    packed float32 key/value gradients of role ``dkv`` (``dkv_index``: its slice, as ``index`` is of
+    ``kv``)."""
 
     kv: str
     src: Hashable
     dkv: str
-    index: int | None = None
+    index: int | str | None = None
+    dkv_index: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -448,5 +454,5 @@ def distribution(works) -> tuple[tuple[Work, int], ...]:
 
 
 __all__ = ["Action", "Add", "Attend", "AttendBack", "BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES",
-           "GROUPS", "Kernel", "PHASES", "Problem", "Step", "TREE_OPS", "Work", "Zeros", "area", "attention_flops",
-           "distribution", "group_size", "payload", "split_phase", "wire", "work"]
+           "GROUPS", "Kernel", "OWN", "PHASES", "Problem", "Step", "TREE_OPS", "Work", "Zeros", "area",
+           "attention_flops", "distribution", "group_size", "payload", "split_phase", "wire", "work"]

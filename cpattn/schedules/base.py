@@ -17,11 +17,13 @@ import dataclasses
 import itertools
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
-from ..executor import Accumulators, BoundedCache, Run, Runtime, attend, attend_backward, new_accumulators
+from .. import blocks as blocks_mod
+from ..executor import Accumulators, BoundedCache, Run, Runtime, attend, attend_backward, execute, new_accumulators
 from ..kernels import acc_dtype
 from ..masks import BlockKind, Mask
 from ..pairs import PairWork, pair_work
@@ -101,14 +103,43 @@ class Schedule:
     def forward(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``.
-        A schedule may return a third element, a tuple of tensors that autograd keeps and hands to its
+        By default the executor runs :meth:`steps` (``cpattn.executor.execute``) from the roles ``q``
+        and ``kv0`` (the packed local kv) and the result is role ``out``. A schedule that runs a loop of
+        its own may return a third element, a tuple of tensors that autograd keeps and hands to its
         ``backward`` as ``saved=`` (e.g. Ulysses keeps its head-split tensors)."""
-        raise NotImplementedError
+        steps = self.steps(rt.problem(q, k), "forward", rt.topology)
+        roles = execute(rt, steps, {"q": q, "kv0": torch.stack([k, v])}, partial(self.blocks_of, rt), keep=("out",))
+        return roles["out"].out.to(q.dtype), roles["out"].lse
 
     def backward(self, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients ``dq, dk, dv`` in the input dtype."""
-        raise NotImplementedError
+        """Gradients ``dq, dk, dv`` in the input dtype. By default the executor runs :meth:`steps` from
+        the roles ``q``, ``kv0``, ``dout``, ``out`` and ``lse``; the results are roles ``dq`` and
+        ``dkv`` (packed, float32)."""
+        steps = self.steps(rt.problem(q, k), "backward", rt.topology)
+        start = {"q": q, "kv0": torch.stack([k, v]), "dout": dout, "out": out, "lse": lse}
+        roles = execute(rt, steps, start, partial(self.blocks_of, rt), keep=("dq", "dkv"))
+        dkv = roles["dkv"]
+        return roles["dq"].to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+    def blocks_of(self, rt: Runtime, src) -> list[blocks_mod.Block] | None:
+        """The blocks an action's source ``src`` (``cpattn.steps.Attend``) names on this rank:
+        ``("ring", t)``, the kv that started t places behind on the ring (:meth:`ring_blocks`);
+        ``("own",)``, this rank's own kv; ``("other", j)``, rank j's kv, and None on rank j itself (its
+        own diagonal runs apart)."""
+        r = rt.rank
+        if src[0] == "ring":
+            return self.ring_blocks(rt, src[1])
+        if src[0] == "own":
+            return rt.blocks(r, [r])
+        if src[0] == "other":
+            return None if src[1] == r else rt.blocks(r, [src[1]])
+        raise ValueError(f"schedule {self.name!r}: unknown block source {src!r}")
+
+    def ring_blocks(self, rt: Runtime, t: int) -> list[blocks_mod.Block]:
+        """This rank's blocks against the kv that started ``t`` places behind it on the ring."""
+        r = rt.rank
+        return rt.blocks(r, [(r - t) % rt.world])
 
     def saved_like(self, q: torch.Tensor, k: torch.Tensor, world: int, topology: Topology | None = None
                    ) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -41,25 +41,23 @@ def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], k
     def kv_move(t: int) -> tuple[CommOp, ...]:
         return (replace(kv, send=f"kv{t}", recv=f"kv{t + 1}"),) if t < n - 1 else ()
 
+    def grads(t: int) -> str:  # step t's dk/dv (on one rank, already home)
+        return "dkv" if n == 1 else f"dkv{t}"
+
     if phase == "forward":
         return [Step(work_at(t), kv_move(t), live_bytes=live,
                      run=((Zeros("out", "q"),) if t == 0 else ()) + (Attend(f"kv{t}", ("ring", t)),))
                 for t in range(n)]
     steps = []
     for t in range(n):
-        dkv_move = (replace(dkv, send=f"dkv{t - 1}", recv=f"in{t}"),) if t > 0 else ()
-        run = ((Zeros("dq", "q"),) if t == 0 else ()) + (Zeros(f"dkv{t}", f"kv{t}"),
-                                                          AttendBack(f"kv{t}", ("ring", t), f"dkv{t}"))
+        dkv_move = (replace(dkv, send=grads(t - 1), recv=f"in{t}"),) if t > 0 else ()
+        run = ((Zeros("dq", "q"),) if t == 0 else ()) + (Zeros(grads(t), f"kv{t}"),
+                                                          AttendBack(f"kv{t}", ("ring", t), grads(t)))
         steps.append(Step(work_at(t), kv_move(t) + dkv_move, live_bytes=live, run=run,
-                          after=(Add(f"dkv{t}", f"in{t}"),) if t > 0 else ()))
+                          after=(Add(grads(t), f"in{t}"),) if t > 0 else ()))
     if n > 1:
-        steps.append(Step((), (replace(dkv, send=f"dkv{n - 1}", recv="dkv"),), overlap=False, live_bytes=live))
+        steps.append(Step((), (replace(dkv, send=grads(n - 1), recv="dkv"),), overlap=False, live_bytes=live))
     return steps
-
-
-def _home(n: int) -> str:
-    """The role of this rank's dk/dv at the end of :func:`ring_steps`' backward."""
-    return "dkv" if n > 1 else "dkv0"
 
 
 def ring_forward(rt: Runtime, q: torch.Tensor, kv: torch.Tensor, ring: list[int],
@@ -85,8 +83,8 @@ def ring_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, kv: torch.Te
     steps = steps if steps is not None else ring_steps(n, lambda t: (), CommOp("sendrecv", 0), CommOp("sendrecv", 0),
                                                        "backward", 0)
     roles = execute(rt, steps, {"q": q, "kv0": kv, "dout": dout, "out": out, "lse": lse},
-                    lambda src: blocks_of(src[1]), ring, keep=("dq", _home(n)))
-    return roles["dq"], roles[_home(n)]
+                    lambda src: blocks_of(src[1]), ring, keep=("dq", "dkv"))
+    return roles["dq"], roles["dkv"]
 
 
 class RingSchedule(Schedule):
@@ -96,23 +94,6 @@ class RingSchedule(Schedule):
     custom_layout = True
     memory = "O(local), 2 kv buffers"
     summary = "p2p ring of kv blocks; dk/dv travel with their kv"
-
-    def ring_blocks(self, rt: Runtime, t: int) -> list[Block]:
-        """This rank's blocks against the kv that started ``t`` places behind it on the ring."""
-        r = rt.rank
-        return rt.blocks(r, [(r - t) % rt.world])
-
-    def forward(self, rt: Runtime, q, k, v):
-        steps = self.steps(rt.problem(q, k), "forward", rt.topology)
-        out_acc, lse_acc = ring_forward(rt, q, torch.stack([k, v]), list(range(rt.world)),
-                                        lambda t: self.ring_blocks(rt, t), steps)
-        return out_acc.to(q.dtype), lse_acc
-
-    def backward(self, rt: Runtime, dout, q, k, v, out, lse):
-        steps = self.steps(rt.problem(q, k), "backward", rt.topology)
-        dq, dkv = ring_backward(rt, dout, q, torch.stack([k, v]), out, lse, list(range(rt.world)),
-                                lambda t: self.ring_blocks(rt, t), steps)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """Step t attends the kv of rank r - t while the next kv travels (:func:`ring_steps`)."""
