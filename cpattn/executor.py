@@ -30,8 +30,8 @@ from .comm import Communicator
 from .kernels import acc_dtype
 from .layout import Layout
 from .masks import Mask
-from .merge import merge_into
-from .steps import OWN, Add, Attend, AttendBack, CommOp, Problem, Step, Zeros
+from .merge import merge_finish, merge_into, merge_weights
+from .steps import OWN, Add, Attend, AttendBack, CommOp, Land, LseMax, Problem, Step, Weigh, Zeros
 from .topology import Topology
 
 
@@ -286,6 +286,12 @@ def _roles(action) -> tuple[str, ...]:
         return (action.role, action.like)
     if isinstance(action, Add):
         return (action.into, action.src)
+    if isinstance(action, LseMax):
+        return (action.part, action.into)
+    if isinstance(action, Weigh):
+        return (action.part, action.m, action.num, action.den)
+    if isinstance(action, Land):
+        return (action.num, action.den, action.m, action.into)
     raise TypeError(f"unknown action {action!r}")
 
 
@@ -309,7 +315,18 @@ def _last_uses(steps: list[Step]) -> list[set[str]]:
 def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any], ring: list[int]):
     """Start ``op`` on this rank; its handle. Received buffers are new (``Communicator.new_buffer``)."""
     comm = rt.comm
+    if op.op == "broadcast":
+        if rt.rank == op.root:
+            roles[op.recv] = buf = roles[op.send]
+        else:
+            mine = roles[op.send]
+            roles[op.recv] = buf = comm.new_buffer(mine.shape, mine.dtype, mine.device)
+        return comm.broadcast(buf, src=op.root, async_op=True)
     send = roles[op.send]
+    if op.op == "all_reduce":
+        return comm.all_reduce(send, op=op.reduce_op, async_op=True)
+    if op.op == "reduce":
+        return comm.reduce(send, dst=op.root, op=op.reduce_op, async_op=True)
     if op.op == "sendrecv":
         i, n = ring.index(rt.rank), len(ring)
         buf = comm.new_buffer(send.shape, send.dtype, send.device)
@@ -348,13 +365,23 @@ def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf) -> None
                             roles["dq"], dkv[0], dkv[1])
     elif isinstance(action, Zeros):
         like = roles[action.like]
-        if action.role == "out":
-            roles["out"] = Accumulators(like)
+        if action.output:
+            roles[action.role] = Accumulators(like)
             return
         shape = like.shape if action.count is None else (action.count, *like.shape)
         roles[action.role] = torch.zeros(shape, dtype=acc_dtype(like.dtype), device=like.device)
     elif isinstance(action, Add):
-        roles[action.into] += roles[action.src]
+        if action.on is None or action.on == rt.rank:
+            roles[action.into] += roles[action.src]
+    elif isinstance(action, LseMax):
+        roles[action.into] = roles[action.part].lse.clone()
+    elif isinstance(action, Weigh):
+        part = roles[action.part]
+        roles[action.num], roles[action.den] = merge_weights(part.out, part.lse, roles[action.m])
+    elif isinstance(action, Land):
+        if action.owner == rt.rank:
+            acc = roles[action.into]
+            merge_into(acc.out, acc.lse, *merge_finish(roles[action.num], roles[action.den], roles[action.m]))
     else:
         raise TypeError(f"unknown action {action!r}")
 

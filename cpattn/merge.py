@@ -27,45 +27,34 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     lse.copy_(new_lse)
 
 
-class PendingMerge:
-    """A distributed merge whose reduces are in flight (see :func:`start_distributed_merge`)."""
-
-    def __init__(self, num: torch.Tensor, den: torch.Tensor, m: torch.Tensor, owner: int, comm, handles) -> None:
-        self.num, self.den, self.m, self.owner, self.comm, self.handles = num, den, m, owner, comm, handles
-
-    def wait(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Finish the reduces; the owner gets ``(out, lse)`` (fresh tensors), other ranks None."""
-        for h in self.handles:
-            h.wait()
-        if self.comm.rank != self.owner:
-            return None
-        num, den, m = self.num, self.den, self.m
-        uncovered = den == 0  # NaN (from NaN inputs) is covered: it propagates as on one device
-        final = torch.where(uncovered, torch.zeros_like(num), num / torch.where(uncovered, torch.ones_like(den), den))
-        log_den = torch.log(den.squeeze(-1).transpose(1, 2))  # [b, h, s]; -inf where uncovered
-        safe_m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        return final, log_den + safe_m
+def merge_weights(out: torch.Tensor, lse: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The terms one rank adds to a distributed merge, given ``m``, the maximum of every rank's
+    ``lse``: ``num = out * den`` ``[b, s, h, d]`` and ``den = exp(lse - m)`` ``[b, s, h, 1]``
+    (contiguous; 0 for -inf partials and for rows nobody covered)."""
+    den = _row_weight(lse, m)
+    return out * den, den.contiguous()
 
 
-def start_distributed_merge(out: torch.Tensor, lse: torch.Tensor, owner: int, comm) -> PendingMerge:
-    """Merge partials of one query block that live on every rank of ``comm`` onto ``owner``.
-
-    ``M = all_reduce_max(lse)``, ``den = exp(lse - M)``, ``num = out * den``; num and den are
-    reduce-summed to ``owner`` (group-relative rank) asynchronously: the returned handle's ``wait()``
-    gives the owner ``(num / den, log(den) + M)`` and other ranks None, so a pipelined schedule can
-    compute its next block while the reduces travel. Ranks that skipped the block pass
-    ``lse = -inf`` and ``out = 0``.
-    """
-    m = lse.clone()
-    comm.all_reduce(m, op="max")
-    den = _row_weight(lse, m)  # [b, s, h, 1]; 0 for -inf partials and for rows nobody covered
-    num = out * den
-    den = den.contiguous()
-    handles = (comm.reduce(num, dst=owner, async_op=True), comm.reduce(den, dst=owner, async_op=True))
-    return PendingMerge(num, den, m, owner, comm, handles)
+def merge_finish(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` from the summed ``num`` and ``den`` of :func:`merge_weights` and the maximum
+    ``m``: ``num / den`` and ``log(den) + m``; rows nobody covered get out 0 and lse -inf."""
+    uncovered = den == 0  # NaN (from NaN inputs) is covered: it propagates as on one device
+    final = torch.where(uncovered, torch.zeros_like(num), num / torch.where(uncovered, torch.ones_like(den), den))
+    log_den = torch.log(den.squeeze(-1).transpose(1, 2))  # [b, h, s]; -inf where uncovered
+    safe_m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    return final, log_den + safe_m
 
 
 def distributed_merge(out: torch.Tensor, lse: torch.Tensor, owner: int,
                       comm) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`start_distributed_merge` and wait: the owner gets ``(out, lse)``, other ranks None."""
-    return start_distributed_merge(out, lse, owner, comm).wait()
+    """Merge partials of one query block that live on every rank of ``comm`` onto ``owner`` (a group
+    rank): ``M = all_reduce_max(lse)``, then ``num`` and ``den`` (:func:`merge_weights`) reduce-summed
+    onto the owner, which gets ``(num / den, log(den) + M)`` (:func:`merge_finish`); other ranks get
+    None. Ranks that skipped the block pass ``lse = -inf`` and ``out = 0``. (The executor runs the same
+    pieces as steps, so a pipelined schedule computes while the reduces travel.)"""
+    m = lse.clone()
+    comm.all_reduce(m, op="max")
+    num, den = merge_weights(out, lse, m)
+    comm.reduce(num, dst=owner)
+    comm.reduce(den, dst=owner)
+    return merge_finish(num, den, m) if comm.rank == owner else None

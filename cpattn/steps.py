@@ -331,8 +331,10 @@ class CommOp:
     node; reduce-scatter mirrored) and are accounted as one flat call.
 
     What the executor (``cpattn.executor``) moves, outside the op's identity: ``send``, the buffer
-    role it sends (a ``sendrecv``'s message, an ``all_gather``'s or ``reduce_scatter``'s input), and
-    ``recv``, the role it receives into (a new buffer). A ``sendrecv``'s ``peer`` counts places along
+    role it sends (a ``sendrecv``'s message, an ``all_gather``'s or ``reduce_scatter``'s input, the
+    root's tensor of a ``broadcast``, the tensor a ``reduce`` or ``all_reduce`` reduces in place with
+    ``reduce_op``), and ``recv``, the role it receives into (a new buffer; a broadcast's root names
+    its own tensor so). A ``sendrecv``'s ``peer`` counts places along
     the executor's ring (the group's ranks unless the schedule runs a ring of its own).
     """
 
@@ -344,6 +346,7 @@ class CommOp:
     hierarchical: bool = False
     send: str | None = field(default=None, compare=False)
     recv: str | None = field(default=None, compare=False)
+    reduce_op: str = field(default="sum", compare=False)  # of a reduce or all_reduce: "sum" or "max"
 
     def __post_init__(self) -> None:
         if self.op not in COMM_OPS:
@@ -429,22 +432,58 @@ class AttendBack:
 @dataclass(frozen=True)
 class Zeros:
     """A new float32 (accumulation dtype) zero buffer ``role`` shaped like role ``like`` (with a leading
-    dimension of ``count`` when given); ``out`` as ``like``: output accumulators (0, lse -inf)."""
+    dimension of ``count`` when given); ``output``: output accumulators for queries like ``like``
+    (out 0, lse -inf; ``cpattn.executor.Accumulators``)."""
 
     role: str
     like: str
     count: int | None = None
+    output: bool = False
 
 
 @dataclass(frozen=True)
 class Add:
-    """``role into += role src``, in place."""
+    """``role into += role src``, in place (``on``: only on that group rank)."""
 
     into: str
     src: str
+    on: int | None = None
 
 
-Action = Attend | AttendBack | Zeros | Add
+@dataclass(frozen=True)
+class LseMax:
+    """A distributed merge's first piece: role ``into`` becomes a copy of the lse of the accumulators
+    ``part``, which an ``all_reduce`` with ``reduce_op="max"`` then turns into every rank's maximum."""
+
+    part: str
+    into: str
+
+
+@dataclass(frozen=True)
+class Weigh:
+    """The terms this rank adds to a distributed merge (``cpattn.merge.merge_weights``): roles ``num``
+    and ``den`` from the accumulators ``part`` and the maximum ``m``, to be reduce-summed onto the
+    owner."""
+
+    part: str
+    m: str
+    num: str
+    den: str
+
+
+@dataclass(frozen=True)
+class Land:
+    """On group rank ``owner`` only: the merged result (``cpattn.merge.merge_finish`` of the summed
+    ``num`` and ``den`` and the maximum ``m``) merged into the output accumulators ``into``."""
+
+    owner: int
+    num: str
+    den: str
+    m: str
+    into: str = "out"
+
+
+Action = Attend | AttendBack | Zeros | Add | LseMax | Weigh | Land
 
 
 def distribution(works) -> tuple[tuple[Work, int], ...]:
@@ -454,5 +493,5 @@ def distribution(works) -> tuple[tuple[Work, int], ...]:
 
 
 __all__ = ["Action", "Add", "Attend", "AttendBack", "BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES",
-           "GROUPS", "Kernel", "OWN", "PHASES", "Problem", "Step", "TREE_OPS", "Work", "Zeros", "area",
-           "attention_flops", "distribution", "group_size", "payload", "split_phase", "wire", "work"]
+           "GROUPS", "Kernel", "Land", "LseMax", "OWN", "PHASES", "Problem", "Step", "TREE_OPS", "Weigh", "Work",
+           "Zeros", "area", "attention_flops", "distribution", "group_size", "payload", "split_phase", "wire", "work"]

@@ -392,7 +392,10 @@ def test_ringx2_skips_the_steps_nobody_shares():
     problem = Problem(4 * 64, 4, "causal", heads=4, kv_heads=2, head_dim=8)
     sched = schedules.get("ringx2")
     forward, backward = sched.steps(problem, "forward"), sched.steps(problem, "backward")
-    assert len(forward) == len(backward) == 4  # the unshared diagonal, then P - 1 owners
+    # the unshared diagonal, then P - 1 owners (without overlap, an owner's broadcast, compute, lse maximum
+    # and reduces are steps one after the other)
+    assert [sum(op.op == "broadcast" for st_ in steps for op in st_.comm) for steps in (forward, backward)] == [3, 3]
+    assert len(forward) == 1 + 3 * 4 and len(backward) == 1 + 3 * 3
     assert not forward[0].comm and [n for _, n in forward[0].work] == [3, 1]  # only rank 0 computes
     assert [op.root for st_ in forward[1:] for op in st_.comm if op.op == "broadcast"] == [1, 2, 3]
     assert [op.root for st_ in backward[1:] for op in st_.comm if op.op == "broadcast"] == [0, 1, 2]

@@ -38,7 +38,7 @@ class AllGatherSchedule(Schedule):
         live = (p + 1) * shape.kv_bytes + shape.acc_bytes  # stacked and gathered kv, accumulators
         if phase == "forward":
             return [Step(pairs.by_offset(0), gather, live_bytes=live,
-                         run=(Zeros("out", "q"), Attend("kv0", ("own",)))),
+                         run=(Zeros("out", "q", output=True), Attend("kv0", ("own",)))),
                     Step(pairs.remote_rows(), live_bytes=live,
                          run=tuple(Attend("kv_all", ("other", j), index=j) for j in range(p)))]
         live += (p + 1) * shape.dkv_bytes  # per-source dk/dv and the reduce-scatter output

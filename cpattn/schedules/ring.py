@@ -46,7 +46,7 @@ def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], k
 
     if phase == "forward":
         return [Step(work_at(t), kv_move(t), live_bytes=live,
-                     run=((Zeros("out", "q"),) if t == 0 else ()) + (Attend(f"kv{t}", ("ring", t)),))
+                     run=((Zeros("out", "q", output=True),) if t == 0 else ()) + (Attend(f"kv{t}", ("ring", t)),))
                 for t in range(n)]
     steps = []
     for t in range(n):

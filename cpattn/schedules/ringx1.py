@@ -28,22 +28,12 @@ dk/dv: forward P broadcasts (send Q once, receive (P-1) Q), P all-reduces of R (
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import lru_cache, partial
 
-import torch
-
-from ..kernels import acc_dtype
-from ..merge import merge_into, start_distributed_merge
-from ..pairs import PairWork, TriangularPairs, pair_work
-from ..steps import CommOp, Problem, Step, Work, area, distribution
+from ..pairs import PairWork, TriangularPairs
+from ..steps import Add, Attend, AttendBack, CommOp, Land, LseMax, Problem, Step, Weigh, Work, Zeros, area, distribution
 from ..topology import Topology
-from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
-
-#: per owner i, the kernel calls of every rank in i's step: ``((Work, ranks), ...)``
-OwnerWork = Callable[[int], tuple[tuple[Work, int], ...]]
-#: per owner i, communication ops of i's step
-OwnerOps = Callable[[int], tuple[CommOp, ...]]
+from .base import Runtime, Schedule
 
 
 def merge_bytes(problem: Problem) -> tuple[int, int, int]:
@@ -109,104 +99,21 @@ class RingX1(Schedule):
         dist[()] = dist.get((), 0) + 1
         return distribution(w for w, n in dist.items() for _ in range(n))
 
-    @staticmethod
-    def _run_pairs(rt: Runtime) -> PairWork:
-        """The pair work :meth:`steps` reads (:func:`~cpattn.pairs.pair_work` of the padded problem), so
-        the run shares exactly the steps the description declares."""
-        return pair_work(rt.mask, rt.layout, rt.padded_len, rt.world, rt.seq_len)
-
-    @staticmethod
-    def _broadcast(rt: Runtime, mine: torch.Tensor, owners: list[int], n: int):
-        """Start broadcasting step ``n``'s tensor from its owner; ``(tensor, handle)``, None past the end."""
-        if n >= len(owners):
-            return None
-        i = owners[n]
-        buf = mine if rt.rank == i else rt.comm.new_buffer(mine.shape, mine.dtype, mine.device)
-        return buf, rt.comm.broadcast(buf, src=i, async_op=True)
-
-    def forward(self, rt: Runtime, q, k, v):
-        r = rt.rank
-        pairs = self._run_pairs(rt)
-        owners, first = self._owners(pairs, "forward"), self._local_first(pairs, "forward")
-        result = new_accumulators(q)
-        if first or r not in owners:
-            attend(rt, q, k, v, rt.blocks(r, [r]), result)
-        incoming = self._broadcast(rt, q, owners, 0)
-        merging = None  # (owner, pending distributed merge) of the previous step
-        for n, i in enumerate(owners):
-            q_i, handle = incoming
-            if self.overlap:
-                incoming = self._broadcast(rt, q, owners, n + 1)
-            handle.wait()
-            partial = new_accumulators(q_i)  # stays (0, -inf) where kv_r has nothing for q_i
-            if not (first and i == r):
-                attend(rt, q_i, k, v, rt.blocks(i, [r]), partial)
-            if merging is not None:
-                result = self._land(r, merging, result, first)
-            merging = (i, start_distributed_merge(partial.out, partial.lse, i, rt.comm))
-            if not self.overlap:
-                result = self._land(r, merging, result, first)
-                merging = None
-                incoming = self._broadcast(rt, q, owners, n + 1)
-        if merging is not None:
-            result = self._land(r, merging, result, first)
-        out, lse = result
-        return out.to(q.dtype), lse
-
-    @staticmethod
-    def _land(rank: int, merging, result, first: bool = False):
-        """Wait for a distributed merge; on the owner the merged result replaces ``result`` (fresh
-        tensors), or is merged into it when the owner computed its diagonal first."""
-        owner, pending = merging
-        merged = pending.wait()
-        if owner != rank:
-            return result
-        if first:
-            merge_into(*result, *merged)
-            return result
-        return merged
-
-    def backward(self, rt: Runtime, dout, q, k, v, out, lse):
-        r = rt.rank
-        acc = acc_dtype(q.dtype)
-        kv = torch.stack([k, v])  # one broadcast per step: [2, b, s, h_kv, d]
-        pairs = self._run_pairs(rt)
-        owners, first = self._owners(pairs, "backward"), self._local_first(pairs, "backward")
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        if first or r not in owners:
-            attend_backward(rt, dout, q, k, v, out, lse, rt.blocks(r, [r]), dq, dkv[0], dkv[1])
-        incoming = self._broadcast(rt, kv, owners, 0)
-        reducing = None  # (owner, buffer, handle) of the previous step's dk/dv reduce
-        for n, i in enumerate(owners):
-            kv_i, handle = incoming
-            if self.overlap:
-                incoming = self._broadcast(rt, kv, owners, n + 1)
-            handle.wait()
-            dkv_i = torch.zeros(kv.shape, dtype=acc, device=q.device)
-            if not (first and i == r):
-                attend_backward(rt, dout, q, kv_i[0], kv_i[1], out, lse, rt.blocks(r, [i]), dq, dkv_i[0],
-                                dkv_i[1])
-            if reducing is not None:
-                dkv = self._land_reduce(r, reducing, dkv, first)
-            reducing = (i, dkv_i, rt.comm.reduce(dkv_i, dst=i, async_op=True))
-            if not self.overlap:
-                dkv = self._land_reduce(r, reducing, dkv, first)
-                reducing = None
-                incoming = self._broadcast(rt, kv, owners, n + 1)
-        if reducing is not None:
-            dkv = self._land_reduce(r, reducing, dkv, first)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-    @staticmethod
-    def _land_reduce(rank: int, reducing, dkv: torch.Tensor, first: bool = False) -> torch.Tensor:
-        """Wait for a dk/dv reduce; on its owner the reduced buffer is the result (plus the owner's
-        own diagonal gradients when it computed them first)."""
-        owner, buf, handle = reducing
-        handle.wait()
-        if owner != rank:
-            return dkv
-        return buf.add_(dkv) if first else buf
+    def blocks_of(self, rt: Runtime, src):
+        """Sources of the owner steps (see :meth:`_owner_steps`): ``("diag", first, owners)``, this
+        rank's diagonal when it goes first or owns no shared step; ``("q_of", i, first)``, owner i's
+        queries against this rank's kv; ``("kv_of", i, first)``, this rank's queries against owner i's
+        kv; both None on the owner when it computed its diagonal first."""
+        r, kind = rt.rank, src[0]
+        if kind == "diag":
+            _, first, owners = src
+            return rt.blocks(r, [r]) if first or r not in owners else None
+        if kind in ("q_of", "kv_of"):
+            _, i, first = src
+            if first and i == r:
+                return None
+            return rt.blocks(i, [r]) if kind == "q_of" else rt.blocks(r, [i])
+        return super().blocks_of(rt, src)
 
     # ------------------------------------------------------------------ steps
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
@@ -219,9 +126,7 @@ class RingX1(Schedule):
             return self._backward_steps(problem)
         q, num, den = merge_bytes(problem)
         live = (1 + self.overlap) * (q + num + 2 * den) + 2 * problem.acc_bytes
-        return self._owner_steps(problem, phase, q, self.pairs(problem).by_q_rank,
-                                 lambda i: (CommOp("all_reduce", den),),
-                                 lambda i: (CommOp("reduce", num, root=i), CommOp("reduce", den, root=i)), live)
+        return self._owner_steps(problem, phase, "merge", q, live, (num, den))
 
     def _backward_steps(self, problem: Problem) -> list[Step]:
         """Per owner i: broadcast the packed kv_i, every rank r computes pair(r, i), reduce the float32
@@ -229,47 +134,86 @@ class RingX1(Schedule):
         dk/dv result and the step's dk_i/dv_i (and the previous step's while its reduce is in flight)."""
         kv, dkv = problem.kv_bytes, problem.dkv_bytes
         live = (2 + self.overlap) * kv + problem.acc_bytes + (2 + self.overlap) * dkv
-        return self._owner_steps(problem, "backward", kv, self.pairs(problem).by_kv_rank, lambda i: (),
-                                 lambda i: (CommOp("reduce", dkv, root=i),), live)
+        return self._owner_steps(problem, "backward", "reduce", kv, live, (dkv,))
 
-    def _owner_steps(self, problem: Problem, phase: str, payload: int, work_of: OwnerWork, after: OwnerOps,
-                     land: OwnerOps, live: int) -> list[Step]:
-        """The steps of ``phase``, as :meth:`forward` / :meth:`backward` run them. Ranks owning a step
-        nobody shares first compute their own diagonal, before any communication, and so does every
-        rank when :meth:`_local_first` (then an owner has nothing to compute in its own step). Then,
-        per owner i:
-        the broadcast of ``payload`` bytes from i, the compute ``work_of(i)``, the blocking ops
-        ``after(i)`` and the asynchronous ops ``land(i)``. Without overlap each owner's step runs
-        all of these one after the other. With overlap the first broadcast runs alone; owner n's
-        compute hides the broadcast of owner n+1 and the ``land`` ops of owner n-1, which are waited
-        right after it; ``after`` follows the compute; the last ``land`` ops run after the loop.
-        ``live``: bytes alive in every step."""
+    def _owner_steps(self, problem: Problem, phase: str, kind: str, payload: int, live: int,
+                     sizes: tuple[int, ...]) -> list[Step]:
+        """The steps of ``phase``, the program the executor runs. ``kind``: what an owner step does,
+        "merge" (q_i travels; partials merge onto i: X1 and X2 forward), "pairwise" (kv_i travels;
+        every rank merges into its own output: X4 forward) or "reduce" (kv_i travels; dk_i/dv_i are
+        reduce-summed onto i: backward); ``payload``: the broadcast's bytes; ``sizes``: the merge's
+        numerator and denominator bytes, or the dk/dv bytes. Ranks owning a step nobody shares first
+        compute their own diagonal, before any communication, and so does every rank when
+        :meth:`_local_first` (then an owner has nothing to compute in its own step). Then, per owner
+        i: the broadcast from i, the compute, the blocking lse maximum (merge) and the asynchronous
+        reduces onto i. Without overlap each owner's step runs these one after the other. With
+        overlap the first broadcast runs alone; owner n's compute hides the broadcast of owner n+1
+        and the reduces of owner n-1, which are waited (and landed) right after it; the maximum
+        follows the compute; the last reduces run after the loop. ``live``: bytes alive in every
+        step."""
         p, pairs = problem.world, self.pairs(problem)
         owners, first = self._owners(pairs, phase), self._local_first(pairs, phase)
         shared = set(owners)
+        by = pairs.by_q_rank if kind == "merge" else pairs.by_kv_rank
+        work_of = partial(self._without_owner, pairs, phase) if first else by
+        travel = "q" if kind == "merge" else "kv0"
+
+        def bcast(i: int) -> tuple[CommOp, ...]:
+            return (CommOp("broadcast", payload, root=i, send=travel, recv=f"b{i}"),)
+
+        def compute(i: int) -> tuple:
+            if kind == "merge":
+                return (Zeros(f"p{i}", f"b{i}", output=True),
+                        Attend("kv0", ("q_of", i, first), q=f"b{i}", into=f"p{i}"), LseMax(f"p{i}", f"m{i}"))
+            if kind == "pairwise":
+                return (Attend(f"b{i}", ("kv_of", i, first)),)
+            return (Zeros(f"g{i}", "kv0"), AttendBack(f"b{i}", ("kv_of", i, first), f"g{i}"))
+
+        def after(i: int) -> tuple[tuple[CommOp, ...], tuple]:  # blocking ops after the compute, then actions
+            if kind != "merge":
+                return (), ()
+            return ((CommOp("all_reduce", sizes[1], send=f"m{i}", reduce_op="max"),),
+                    (Weigh(f"p{i}", f"m{i}", f"num{i}", f"den{i}"),))
+
+        def land(i: int) -> tuple[tuple[CommOp, ...], tuple]:  # asynchronous ops onto i, then actions
+            if kind == "merge":
+                return ((CommOp("reduce", sizes[0], root=i, send=f"num{i}"),
+                         CommOp("reduce", sizes[1], root=i, send=f"den{i}")),
+                        (Land(i, f"num{i}", f"den{i}", f"m{i}"),))
+            if kind == "reduce":
+                return (CommOp("reduce", sizes[0], root=i, send=f"g{i}"),), (Add("dkv", f"g{i}", on=i),)
+            return (), ()
+
+        init = (Zeros("out", "q", output=True),) if phase == "forward" else (Zeros("dq", "q"), Zeros("dkv", "kv0"))
+        diag = (Attend("kv0", ("diag", first, tuple(owners))) if phase == "forward"
+                else AttendBack("kv0", ("diag", first, tuple(owners)), "dkv"))
         steps = []
         if first or len(shared) < p:
             local = distribution(pairs.pair(r, r) if first or r not in shared else () for r in range(p))
-            steps.append(Step(local, live_bytes=live))
+            steps.append(Step(local, live_bytes=live, run=init + (diag,)))
+            init = ()
         if not owners:
-            return steps
-        if first:
-            work_of = partial(self._without_owner, pairs, phase)
-
-        def bcast(i: int) -> tuple[CommOp, ...]:
-            return (CommOp("broadcast", payload, root=i),)
-
+            return steps or [Step((), run=init)]
         if not self.overlap:
-            return steps + [Step(work_of(i), bcast(i) + after(i) + land(i), overlap=False, live_bytes=live)
-                            for i in owners]
-        steps.append(Step((), bcast(owners[0]), overlap=False, live_bytes=live))
+            for i in owners:
+                steps += [Step((), bcast(i), overlap=False, live_bytes=live, run=init),
+                          Step(work_of(i), live_bytes=live, run=compute(i))]
+                init = ()
+                for ops, actions in (after(i), land(i)):
+                    if ops:
+                        steps.append(Step((), ops, overlap=False, live_bytes=live, after=actions))
+            return steps
+        steps.append(Step((), bcast(owners[0]), overlap=False, live_bytes=live, run=init))
         for n, i in enumerate(owners):
-            in_flight = (bcast(owners[n + 1]) if n + 1 < len(owners) else ()) + (land(owners[n - 1]) if n else ())
-            steps.append(Step(work_of(i), in_flight, live_bytes=live))
-            if after(i):
-                steps.append(Step((), after(i), overlap=False, live_bytes=live))
-        if land(owners[-1]):
-            steps.append(Step((), land(owners[-1]), overlap=False, live_bytes=live))
+            landing = land(owners[n - 1]) if n else ((), ())
+            in_flight = (bcast(owners[n + 1]) if n + 1 < len(owners) else ()) + landing[0]
+            steps.append(Step(work_of(i), in_flight, live_bytes=live, run=compute(i), after=landing[1]))
+            ops, actions = after(i)
+            if ops:
+                steps.append(Step((), ops, overlap=False, live_bytes=live, after=actions))
+        ops, actions = land(owners[-1])
+        if ops:
+            steps.append(Step((), ops, overlap=False, live_bytes=live, after=actions))
         return steps
 
 

@@ -23,11 +23,8 @@ the packed kv in the input dtype and dKV the packed float32 dk/dv.
 
 from __future__ import annotations
 
-import torch
-
 from ..steps import Problem, Step
 from ..topology import Topology
-from .base import Runtime, attend, new_accumulators
 from .ringx1 import RingX1
 
 
@@ -37,26 +34,6 @@ class RingX4(RingX1):
     causal = True
     bidirectional = False
     summary = "broadcast kv_i, zigzag causal rule, pairwise merge; backward reduce dk/dv onto i"
-
-    def forward(self, rt: Runtime, q, k, v):
-        r = rt.rank
-        acc = new_accumulators(q)
-        kv = torch.stack([k, v])
-        pairs = self._run_pairs(rt)
-        owners, first = self._owners(pairs, "forward"), self._local_first(pairs, "forward")
-        if first or r not in owners:
-            attend(rt, q, k, v, rt.blocks(r, [r]), acc)
-        incoming = self._broadcast(rt, kv, owners, 0)
-        for n, i in enumerate(owners):
-            kv_i, handle = incoming
-            if self.overlap:
-                incoming = self._broadcast(rt, kv, owners, n + 1)
-            handle.wait()
-            if not (first and i == r):
-                attend(rt, q, kv_i[0], kv_i[1], rt.blocks(r, [i]), acc)
-            if not self.overlap:
-                incoming = self._broadcast(rt, kv, owners, n + 1)
-        return acc.out.to(q.dtype), acc.lse
 
     def travels(self, phase: str) -> str:
         return "kv"
@@ -68,8 +45,7 @@ class RingX4(RingX1):
         if phase != "forward":
             return self._backward_steps(problem)
         live = (2 + self.overlap) * problem.kv_bytes + problem.acc_bytes
-        return self._owner_steps(problem, phase, problem.kv_bytes, self.pairs(problem).by_kv_rank, lambda i: (),
-                                 lambda i: (), live)
+        return self._owner_steps(problem, phase, "pairwise", problem.kv_bytes, live, ())
 
 
 class RingX4o(RingX4):
