@@ -7,22 +7,21 @@ one file plus one entry in the registration loop below (see docs/architecture.md
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..masks import causal, full
-from .allgather import AllGatherSchedule
+from .allgather import AllGather
 from .base import Schedule
 from .ring import RingSchedule
-from .ringx1 import RingX1, RingX1o
-from .ringx2 import RingX2, RingX2o
-from .ringx3 import RingX3, RingX3b
-from .ringx4 import RingX4, RingX4o
+from .ringx import RingX
 from .stripe_ring import StripeRingSchedule
 from .ultra import UltraSchedule
 from .ulysses import UlyssesSchedule
 from .usp import USPSchedule
 from .zigzag_ring import ZigzagRingSchedule
 
-#: the registered schedule classes, by name, in registry order
-_REGISTRY: dict[str, type[Schedule]] = {}
+#: the registered schedules, by name, in registry order: (class, options)
+_REGISTRY: dict[str, tuple[type[Schedule], dict[str, Any]]] = {}
 
 # friendly names for the schedules that take options
 USP = USPSchedule
@@ -30,17 +29,21 @@ Ultra = UltraSchedule
 
 
 def register(cls: type[Schedule]) -> type[Schedule]:
-    """Add a schedule class (its ``name`` must be new); returns it, so it works as a decorator."""
-    if not (isinstance(cls, type) and issubclass(cls, Schedule)) or not cls.name:
+    """Add a schedule class under its names (``cls.aliases``, each with its options, or ``cls.name``;
+    each must be new); returns it, so it works as a decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, Schedule)) or not (cls.aliases or isinstance(cls.name, str)
+                                                                       and cls.name):
         raise TypeError(f"register() takes a Schedule subclass with a name, got {cls!r}")
-    if cls.name in _REGISTRY:
-        raise ValueError(f"schedule {cls.name!r} is already registered")
-    _REGISTRY[cls.name] = cls
+    entries = cls.aliases or {cls.name: {}}
+    for name in entries:
+        if name in _REGISTRY:
+            raise ValueError(f"schedule {name!r} is already registered")
+    for name, options in entries.items():
+        _REGISTRY[name] = (cls, dict(options))
     return cls
 
 
-for _cls in (RingSchedule, ZigzagRingSchedule, StripeRingSchedule, AllGatherSchedule,
-             RingX1, RingX1o, RingX2, RingX2o, RingX3, RingX3b, RingX4, RingX4o, UltraSchedule,
+for _cls in (RingSchedule, ZigzagRingSchedule, StripeRingSchedule, AllGather, RingX, UltraSchedule,
              UlyssesSchedule, USPSchedule):
     register(_cls)
 
@@ -50,10 +53,11 @@ def names() -> list[str]:
 
 
 def get(name: str, **options) -> Schedule:
-    """A new ``name`` schedule with ``options`` (its defaults for those not given)."""
+    """A new ``name`` schedule with ``options`` (the name's own for those not given)."""
     if name not in _REGISTRY:
         raise ValueError(f"schedule={name!r} is unknown; accepted: {', '.join(_REGISTRY)} or 'auto'")
-    return _REGISTRY[name](**options)
+    cls, own = _REGISTRY[name]
+    return cls(**{**own, **options})
 
 
 def resolve(schedule: str | Schedule) -> Schedule:
@@ -72,7 +76,7 @@ def available() -> list[dict]:
     accept only masks with / without ``is_causal``."""
     rows = []
     causal_layout, full_layout = (lambda s: s.layout_for(causal())), (lambda s: s.layout_for(full()))
-    for s in (cls() for cls in _REGISTRY.values()):
+    for s in (get(name) for name in _REGISTRY):
         same = causal_layout(s) == full_layout(s)
         rows.append({
             "name": s.name,
@@ -88,4 +92,4 @@ def available() -> list[dict]:
     return rows
 
 
-__all__ = ["USP", "Schedule", "Ultra", "available", "get", "names", "register", "resolve"]
+__all__ = ["AllGather", "RingX", "USP", "Schedule", "Ultra", "available", "get", "names", "register", "resolve"]

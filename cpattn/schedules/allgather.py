@@ -8,24 +8,70 @@ each rank its own. Layout: zigzag for causal masks (balanced), contiguous otherw
 
 Per rank: forward one all-gather ((P-1) packed kv); backward one all-gather plus one reduce-scatter of
 (P-1) float32 dk/dv. The steps are the program (``cpattn.executor`` runs them).
+
+RingX X3 (``ringx3``, causal masks on the zigzag layout) and X3b (``ringx3b``, bidirectional masks on
+the contiguous layout) are this algorithm with both collectives hierarchical: with a topology of
+several nodes and several devices per node they run in two levels
+(:meth:`~cpattn.comm.Communicator.hierarchical_all_gather`: across nodes along each rail, then inside
+the node; reduce-scatter mirrored); the result and the payload per rank are the flat collective's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..steps import OWN, Attend, AttendBack, CommOp, Problem, Step, Zeros
 from ..topology import Topology
 from .base import Schedule
 
 
-class AllGatherSchedule(Schedule):
-    name = "allgather"
-    layout = "contiguous"  # "zigzag" when the mask is causal: see layout_for
+@dataclass(frozen=True, eq=False)
+class AllGather(Schedule):
+    """All-gather kv, reduce-scatter dk/dv. ``hierarchical``: both collectives in two levels with a
+    two-level topology (RingX X3); ``only``: None for any mask (the zigzag layout for causal ones),
+    ``"causal"`` (zigzag; ``ringx3``) or ``"bidirectional"`` (contiguous; ``ringx3b``)."""
+
+    hierarchical: bool = False
+    only: str | None = None
     masks = "any"
     custom_layout = True
     memory = "O(global kv)"
-    summary = "all-gather kv, reduce-scatter dk/dv"
+    aliases = {"allgather": {}, "ringx3": {"hierarchical": True, "only": "causal"},
+               "ringx3b": {"hierarchical": True, "only": "bidirectional"}}
+
+    def __post_init__(self) -> None:
+        if self.only not in (None, "causal", "bidirectional"):
+            raise ValueError(f"AllGather(only={self.only!r}): expected None, 'causal' or 'bidirectional'")
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"AllGather(hierarchical={self.hierarchical!r}): expected a bool")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return {None: "allgather", "causal": "ringx3", "bidirectional": "ringx3b"}[self.only]
+
+    @property
+    def layout(self) -> str:  # type: ignore[override]
+        return "zigzag" if self.only == "causal" else "contiguous"
+
+    @property
+    def causal(self) -> bool:  # type: ignore[override]
+        return self.only != "bidirectional"
+
+    @property
+    def bidirectional(self) -> bool:  # type: ignore[override]
+        return self.only != "causal"
+
+    @property
+    def summary(self) -> str:  # type: ignore[override]
+        if self.only is None:
+            levels = " (hierarchical with a topology)" if self.hierarchical else ""
+            return f"all-gather kv{levels}, reduce-scatter dk/dv"
+        rule = "zigzag causal rule" if self.only == "causal" else "attend every chunk"
+        return f"all-gather kv (hierarchical with a topology), {rule}; reduce-scatter dk/dv"
 
     def layout_for(self, mask) -> str:
+        if self.only is not None:
+            return self.layout
         return "zigzag" if mask.is_causal else "contiguous"
 
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:

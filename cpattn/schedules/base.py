@@ -56,6 +56,9 @@ class Schedule:
     #: ``ContextParallel`` sets up the rail and node groups at construction
     hierarchical: bool = False
     summary: str = ""
+    #: the names this class is registered under, each with its options (a class with options may be
+    #: several schedules users know by name, e.g. ``ringx1o`` = ``RingX(overlap=True)``); empty: ``name``
+    aliases: dict[str, dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ identity
     def options(self) -> dict[str, Any]:
@@ -65,7 +68,11 @@ class Schedule:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def spec(self) -> str:
-        """``name`` plus its options, e.g. ``usp(ulysses_degree=2)``: what it is, as text."""
+        """``name`` plus its options, e.g. ``usp(ulysses_degree=2)``: what it is, as text (the name alone
+        when the options are the name's own, e.g. ``ringx1o``)."""
+        alias = self.aliases.get(self.name)
+        if alias is not None and type(self)(**alias).options() == self.options():
+            return self.name
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{self.name}({opts})" if opts else self.name
 

@@ -1,33 +1,42 @@
-"""RingX X1 and X1o: ring attention's exchange expressed as broadcasts and reduces (bidirectional).
+"""RingX X1, X2, X4 and their pipelined forms: ring attention's exchange as broadcasts and reduces.
 
-Forward, one step per owner rank i: i broadcasts its queries q_i; every rank attends q_i to its own
-key/value block; the partials are combined onto i by the distributed merge (all-reduce max of lse,
-reduce of the numerator and of the denominator). Each rank is owner once, so after P steps every rank
-holds its exact output. Backward, one step per owner i: i broadcasts its packed kv_i; every rank runs
-the local backward of its own (q, dout, out, lse) against kv_i, adding into its dq (which never
-travels) and into a zeroed float32 dk_i/dv_i, which is reduce-summed onto i.
+X1 (``ringx1``, bidirectional masks). Forward, one step per owner rank i: i broadcasts its queries
+q_i; every rank attends q_i to its own key/value block; the partials are combined onto i by the
+distributed merge (all-reduce max of lse, reduce of the numerator and of the denominator). Each rank
+is owner once, so after P steps every rank holds its exact output. Backward, one step per owner i: i
+broadcasts its packed kv_i; every rank runs the local backward of its own (q, dout, out, lse) against
+kv_i, adding into its dq (which never travels) and into a zeroed float32 dk_i/dv_i, which is
+reduce-summed onto i.
 
-X1o pipelines the same steps with two buffers: the broadcast of step i+1 is in flight during step i's
-compute, and the reduces of step i are waited for at step i+1, after its compute.
+X2 (``ringx2``): X1 under a mask contained in the causal one (contiguous layout). Rank r attends q_i
+only where the mask lets q_i reach kv_r; the others contribute lse = -inf and out = 0 to the merge.
+An owner's step is a collective only when some other rank has work for its block; otherwise the
+owner computes it alone (under the causal mask owner 0's forward and owner P-1's backward).
 
-Which pairs attend comes from the mask classifier (``rt.blocks``): for owner i the forward block is
-q_i against kv_r, the backward block q_r against kv_i; EMPTY blocks are skipped, but a rank with
-nothing to compute still joins the step's collectives. An owner whose block no other rank has work
-for (a document that stays on its rank) computes it alone, before the shared steps, with no
-communication (:meth:`RingX1._owners`). Causal masks are rejected (``causal = False``); ``ringx2`` is
-the causal form of this exchange.
+X4 (``ringx4``): the owner broadcasts its packed kv_i forward too; every rank attends its local
+queries to it under the causal rule of the zigzag layout (given by the classifier) and merges
+pairwise into its own accumulators: no partial output travels. Backward is X1's.
 
-At world size 1 there is nothing to exchange and the step runs locally. Per rank, for P > 1 and a
-mask that shares every owner's step (the full mask), what :meth:`RingX1.steps` declares, with Q
-the local queries (input dtype), O and R the bytes of a float32 output ``[b, s, h, d]`` and of one
-float32 per query row ``[b, h, s]``, KV the packed local kv (input dtype) and dKV the packed float32
-dk/dv: forward P broadcasts (send Q once, receive (P-1) Q), P all-reduces of R (the lse maximum) and
-2P reduces (numerator and denominator: send (P-1) (O + R), receive O + R); backward P broadcasts
-(send KV once, receive (P-1) KV) and P reduces (send (P-1) dKV, receive dKV).
+The ``o`` forms (``ringx1o``, ``ringx2o``, ``ringx4o``) pipeline the same steps with two buffers:
+the broadcast of step i+1 is in flight during step i's compute, and the reduces of step i are waited
+for at step i+1, after its compute. These are options of one class, :class:`RingX` (``sends``,
+``causal``, ``overlap``); the names are aliases.
+
+Which pairs attend comes from the mask classifier; EMPTY blocks are skipped, but a rank with nothing
+to compute still joins the step's collectives. Under windows or short documents on the zigzag layout
+every rank may compute its own diagonal first (:meth:`RingX._local_first`). The steps are the
+program (``cpattn.executor`` runs them). At world size 1 everything is local. Per rank, for P > 1
+and a mask that shares every owner's step (the full mask), X1 declares, with Q the local queries
+(input dtype), O and R the bytes of a float32 output ``[b, s, h, d]`` and of one float32 per query
+row ``[b, h, s]``, KV the packed local kv (input dtype) and dKV the packed float32 dk/dv: forward P
+broadcasts (send Q once, receive (P-1) Q), P all-reduces of R (the lse maximum) and 2P reduces
+(numerator and denominator: send (P-1) (O + R), receive O + R); backward P broadcasts (send KV once,
+receive (P-1) KV) and P reduces (send (P-1) dKV, receive dKV).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache, partial
 
 from ..pairs import PairWork, TriangularPairs
@@ -44,19 +53,61 @@ def merge_bytes(problem: Problem) -> tuple[int, int, int]:
     return problem.q_bytes, rows * problem.head_dim * problem.acc_elem, rows * problem.acc_elem
 
 
-class RingX1(Schedule):
-    name = "ringx1"
-    layout = "contiguous"
+@dataclass(frozen=True, eq=False)
+class RingX(Schedule):
+    """RingX's broadcast-and-reduce exchange, one class for its variants (their names are aliases):
+
+    ``sends``: what an owner broadcasts forward, ``"q"`` (X1, X2: partials merge onto the owner) or
+    ``"kv"`` (X4: every rank merges into its own output; the zigzag layout); ``causal``: for masks
+    contained in the causal one (X2, X4) or for the others (X1); ``overlap``: the next broadcast in
+    flight during this step's compute and this step's reduces waited one step later (the ``o``
+    variants: two buffers)."""
+
+    sends: str = "q"
+    causal: bool = False
+    overlap: bool = False
     masks = "any"
-    causal = False
-    memory = "O(local)"
-    summary = "broadcast q_i, distributed merge onto i; backward broadcast kv_i, reduce dk/dv onto i"
-    #: issue the next broadcast before this step's compute and wait for this step's reduces one step later
-    overlap = False
+    aliases = {"ringx1": {}, "ringx1o": {"overlap": True}, "ringx2": {"causal": True},
+               "ringx2o": {"causal": True, "overlap": True}, "ringx4": {"sends": "kv", "causal": True},
+               "ringx4o": {"sends": "kv", "causal": True, "overlap": True}}
+
+    def __post_init__(self) -> None:
+        if self.sends not in ("q", "kv"):
+            raise ValueError(f"RingX(sends={self.sends!r}): expected 'q' or 'kv'")
+        if self.sends == "kv" and not self.causal:
+            raise ValueError("RingX(sends='kv') is X4, for causal masks: pass causal=True")
+        for name in ("causal", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RingX({name}={getattr(self, name)!r}): expected a bool")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        base = "ringx4" if self.sends == "kv" else "ringx2" if self.causal else "ringx1"
+        return base + ("o" if self.overlap else "")
+
+    @property
+    def layout(self) -> str:  # type: ignore[override]
+        return "zigzag" if self.sends == "kv" else "contiguous"
+
+    @property
+    def bidirectional(self) -> bool:  # type: ignore[override]
+        return not self.causal
+
+    @property
+    def memory(self) -> str:  # type: ignore[override]
+        return "O(local), 2 buffers" if self.overlap else "O(local)"
+
+    @property
+    def summary(self) -> str:  # type: ignore[override]
+        what = {("q", False): "broadcast q_i, distributed merge onto i",
+                ("q", True): "X1 under a causal mask: only ranks the mask lets reach q_i attend it",
+                ("kv", True): "broadcast kv_i, zigzag causal rule, pairwise merge"}[self.sends, self.causal]
+        return what + ("; pipelined: next broadcast in flight during compute, reduces waited one step later"
+                       if self.overlap else "; backward broadcast kv_i, reduce dk/dv onto i")
 
     def travels(self, phase: str) -> str:
         """What the owner broadcasts in ``phase``: its queries ("q") or its packed kv ("kv")."""
-        return "q" if phase == "forward" else "kv"
+        return self.sends if phase == "forward" else "kv"
 
     def _owners(self, pairs: PairWork, phase: str) -> list[int]:
         """The owners whose step of ``phase`` is shared: some rank other than the owner has work for
@@ -117,13 +168,19 @@ class RingX1(Schedule):
 
     # ------------------------------------------------------------------ steps
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
-        """Forward, per owner i: broadcast q_i, every rank r computes pair(i, r), then the lse
-        maximum (a blocking all-reduce) and the reduces of the numerator and the denominator onto i.
-        Backward: :meth:`_backward_steps`. Live: the q buffers (two with overlap), the running and the
-        per-step output accumulators, and the merge's numerator, denominator and maximum (those of
-        the previous step too while its reduces are in flight)."""
+        """Forward, per owner i (``sends="q"``): broadcast q_i, every rank r computes pair(i, r), then
+        the lse maximum (a blocking all-reduce) and the reduces of the numerator and the denominator
+        onto i. Live: the q buffers (two with overlap), the running and the per-step output
+        accumulators, and the merge's numerator, denominator and maximum (those of the previous step
+        too while its reduces are in flight). With ``sends="kv"`` (X4): broadcast the packed kv_i,
+        every rank r computes pair(r, i) and merges it pairwise; no partial output travels (live: the
+        stacked local kv, the kv buffers and the output accumulators). Backward:
+        :meth:`_backward_steps`."""
         if phase != "forward":
             return self._backward_steps(problem)
+        if self.sends == "kv":
+            live = (2 + self.overlap) * problem.kv_bytes + problem.acc_bytes
+            return self._owner_steps(problem, phase, "pairwise", problem.kv_bytes, live, ())
         q, num, den = merge_bytes(problem)
         live = (1 + self.overlap) * (q + num + 2 * den) + 2 * problem.acc_bytes
         return self._owner_steps(problem, phase, "merge", q, live, (num, den))
@@ -218,14 +275,7 @@ class RingX1(Schedule):
 
 
 @lru_cache(maxsize=64)
-def _local_first_cached(schedule: RingX1, pairs: PairWork, phase: str) -> bool:
-    """:meth:`RingX1._decide_local_first`, once per (schedule, pair work, phase): the forward and the
+def _local_first_cached(schedule: RingX, pairs: PairWork, phase: str) -> bool:
+    """:meth:`RingX._decide_local_first`, once per (schedule, pair work, phase): the forward and the
     backward of every call ask (a few milliseconds at 64 ranks)."""
     return schedule._decide_local_first(pairs, phase)
-
-
-class RingX1o(RingX1):
-    name = "ringx1o"
-    memory = "O(local), 2 buffers"
-    summary = "X1 pipelined: next broadcast in flight during compute, reduces waited one step later"
-    overlap = True
