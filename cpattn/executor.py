@@ -31,7 +31,7 @@ from .kernels import acc_dtype
 from .layout import Layout
 from .masks import Mask
 from .merge import merge_finish, merge_into, merge_weights
-from .steps import OWN, Add, Attend, AttendBack, CommOp, Land, LseMax, Problem, Step, Weigh, Zeros
+from .steps import OWN, Add, Attend, AttendBack, CommOp, Land, Local, LseMax, Problem, Step, Weigh, Zeros
 from .topology import Topology
 
 
@@ -292,6 +292,8 @@ def _roles(action) -> tuple[str, ...]:
         return (action.part, action.m, action.num, action.den)
     if isinstance(action, Land):
         return (action.num, action.den, action.m, action.into)
+    if isinstance(action, Local):
+        return (action.src, action.dst)
     raise TypeError(f"unknown action {action!r}")
 
 
@@ -303,7 +305,7 @@ def _last_uses(steps: list[Step]) -> list[set[str]]:
             for role in (op.send, op.recv):
                 if role is not None:
                     last[role] = i
-        for action in (*st.run, *st.after):
+        for action in (*st.before, *st.run, *st.after):
             for role in _roles(action):
                 last[role] = i
     drop: list[set[str]] = [set() for _ in steps]
@@ -312,7 +314,15 @@ def _last_uses(steps: list[Step]) -> list[set[str]]:
     return drop
 
 
-def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any], ring: list[int]):
+def _peers(rt: Runtime, op: CommOp) -> tuple[int, int, int, int]:
+    """A sendrecv's (destination, source) group ranks, and their places inside the ``within`` group."""
+    size = op.within or rt.world
+    base, x = divmod(rt.rank, size)
+    to, frm = (x + op.peer) % size, (x - op.peer) % size
+    return base * size + to, base * size + frm, to, frm
+
+
+def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any]):
     """Start ``op`` on this rank; its handle. Received buffers are new (``Communicator.new_buffer``)."""
     comm = rt.comm
     if op.op == "broadcast":
@@ -328,10 +338,21 @@ def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any], ring: list[
     if op.op == "reduce":
         return comm.reduce(send, dst=op.root, op=op.reduce_op, async_op=True)
     if op.op == "sendrecv":
-        i, n = ring.index(rt.rank), len(ring)
+        dst, src, to, frm = _peers(rt, op)
+        if not op.slot:
+            buf = comm.new_buffer(send.shape, send.dtype, send.device)
+            roles[op.recv] = buf
+            return comm.send_recv([(send, dst)], [(buf, src)], tag=tag)
+        buf = roles.get(op.recv)
+        if buf is None:  # the exchange's first slice: the buffer, with this rank's own slice
+            roles[op.recv] = buf = comm.new_buffer(send.shape, send.dtype, send.device)
+            own = rt.rank % (op.within or rt.world)
+            buf[own].copy_(send[own])
+        return comm.send_recv([(send[to], dst)], [(buf[frm], src)], tag=tag)
+    if op.op == "all_to_all":
         buf = comm.new_buffer(send.shape, send.dtype, send.device)
         roles[op.recv] = buf
-        return comm.send_recv([(send, ring[(i + op.peer) % n])], [(buf, ring[(i - op.peer) % n])], tag=tag)
+        return comm.all_to_all(buf, send, async_op=True)
     hierarchy = rt.topology if op.hierarchical else None
     if op.op == "all_gather":
         buf = comm.new_buffer((comm.world_size, *send.shape), send.dtype, send.device)
@@ -350,7 +371,8 @@ def _slice(t: torch.Tensor, index: int | str | None, rank: int) -> torch.Tensor:
     return t[rank if index == OWN else index]
 
 
-def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf) -> None:
+def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf,
+        transforms: dict[str, Callable[[Any], Any]]) -> None:
     if isinstance(action, Attend):
         blocks = blocks_of(action.src)
         if blocks is not None:
@@ -378,6 +400,8 @@ def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf) -> None
     elif isinstance(action, Weigh):
         part = roles[action.part]
         roles[action.num], roles[action.den] = merge_weights(part.out, part.lse, roles[action.m])
+    elif isinstance(action, Local):
+        roles[action.dst] = transforms[action.fn](roles[action.src])
     elif isinstance(action, Land):
         if action.owner == rt.rank:
             acc = roles[action.into]
@@ -387,22 +411,26 @@ def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf) -> None
 
 
 def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: BlocksOf,
-            ring: list[int] | None = None, keep: tuple[str, ...] = ()) -> dict[str, Any]:
+            keep: tuple[str, ...] = (), transforms: dict[str, Callable[[Any], Any]] | None = None
+            ) -> dict[str, Any]:
     """Run ``steps`` on this rank, starting from the buffers ``roles`` (e.g. ``q``, ``kv0``; backward
     also ``dout``, ``out``, ``lse``); returns the roles alive at the end, and those of ``keep`` whatever
-    their last use. Per step: issue its ops (in order; the i-th op of a step has tag i), run its
-    ``run`` actions, wait for the ops, run its ``after`` actions, drop the roles no later step uses.
-    ``ring``: the ranks a ``sendrecv``'s ``peer`` counts along (default: the group's ranks)."""
-    ring = list(range(rt.world)) if ring is None else ring
+    their last use. Per step: its ``before`` actions, issue its ops (in order; the i-th op of a step
+    has tag i), its ``run`` actions, wait for the ops, its ``after`` actions, then drop the roles no
+    later step uses. ``blocks_of``: the blocks of an action's source on this rank; ``transforms``: the
+    functions :class:`~cpattn.steps.Local` actions name."""
+    transforms = transforms or {}
     drops = _last_uses(steps)
     for st, drop in zip(steps, drops):
-        handles = [_issue(rt, op, tag, roles, ring) for tag, op in enumerate(st.comm)]
+        for action in st.before:
+            _do(rt, action, roles, blocks_of, transforms)
+        handles = [_issue(rt, op, tag, roles) for tag, op in enumerate(st.comm)]
         for action in st.run:
-            _do(rt, action, roles, blocks_of)
+            _do(rt, action, roles, blocks_of, transforms)
         for handle in handles:
             handle.wait()
         for action in st.after:
-            _do(rt, action, roles, blocks_of)
+            _do(rt, action, roles, blocks_of, transforms)
         for role in drop - set(keep):
             roles.pop(role, None)
     return roles

@@ -333,9 +333,9 @@ class CommOp:
     What the executor (``cpattn.executor``) moves, outside the op's identity: ``send``, the buffer
     role it sends (a ``sendrecv``'s message, an ``all_gather``'s or ``reduce_scatter``'s input, the
     root's tensor of a ``broadcast``, the tensor a ``reduce`` or ``all_reduce`` reduces in place with
-    ``reduce_op``), and ``recv``, the role it receives into (a new buffer; a broadcast's root names
-    its own tensor so). A ``sendrecv``'s ``peer`` counts places along
-    the executor's ring (the group's ranks unless the schedule runs a ring of its own).
+    ``reduce_op``, an ``all_to_all``'s input), and ``recv``, the role it receives into (a new buffer;
+    a broadcast's root names its own tensor so). A ``sendrecv`` goes to group rank ``r + peer`` and
+    comes from ``r - peer`` (modulo the group, or inside groups of ``within`` consecutive ranks).
     """
 
     op: str
@@ -347,6 +347,11 @@ class CommOp:
     send: str | None = field(default=None, compare=False)
     recv: str | None = field(default=None, compare=False)
     reduce_op: str = field(default="sum", compare=False)  # of a reduce or all_reduce: "sum" or "max"
+    #: a sendrecv's ``peer`` wraps inside consecutive groups of this many ranks (None: the whole group)
+    within: int | None = field(default=None, compare=False)
+    #: a sendrecv of one slice of an exchange: send ``send[to]``, receive into ``recv[from]`` (members
+    #: counted inside ``within``); the first such op of a step allocates ``recv`` with the own slice
+    slot: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.op not in COMM_OPS:
@@ -383,10 +388,11 @@ class Step:
     it (False). ``live_bytes``: schedule buffers and accumulators alive on a rank during the step,
     beyond the resident inputs and outputs (bytes).
 
-    The program (``cpattn.executor`` runs it on every rank): ``run``, the actions of the step's
-    compute, during which the ops of ``comm`` are in flight when ``overlap``; ``after``, actions once
-    they have landed. Actions name buffer roles and rank-independent sources, so one step list serves
-    every rank (not part of the step's identity)."""
+    The program (``cpattn.executor`` runs it on every rank): ``before``, actions that prepare what the
+    step's ops send; ``run``, the actions of the step's compute, during which the ops of ``comm`` are
+    in flight when ``overlap``; ``after``, actions once they have landed. Actions name buffer roles
+    and rank-independent sources, so one step list serves every rank (not part of the step's
+    identity)."""
 
     work: tuple[tuple[Work, int], ...] = ()
     comm: tuple[CommOp, ...] = ()
@@ -394,6 +400,7 @@ class Step:
     live_bytes: int = 0
     run: tuple[Action, ...] = field(default=(), compare=False)
     after: tuple[Action, ...] = field(default=(), compare=False)
+    before: tuple[Action, ...] = field(default=(), compare=False)
 
 
 # ---------------------------------------------------------------------- actions (the executor's program)
@@ -483,7 +490,17 @@ class Land:
     into: str = "out"
 
 
-Action = Attend | AttendBack | Zeros | Add | LseMax | Weigh | Land
+@dataclass(frozen=True)
+class Local:
+    """``role dst = fn(role src)``: a local rearrangement the schedule names and defines (e.g. Ulysses'
+    packing for an exchange; ``Schedule.transforms``), no communication."""
+
+    fn: str
+    src: str
+    dst: str
+
+
+Action = Attend | AttendBack | Zeros | Add | LseMax | Weigh | Land | Local
 
 
 def distribution(works) -> tuple[tuple[Work, int], ...]:
@@ -493,5 +510,6 @@ def distribution(works) -> tuple[tuple[Work, int], ...]:
 
 
 __all__ = ["Action", "Add", "Attend", "AttendBack", "BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES",
-           "GROUPS", "Kernel", "Land", "LseMax", "OWN", "PHASES", "Problem", "Step", "TREE_OPS", "Weigh", "Work",
-           "Zeros", "area", "attention_flops", "distribution", "group_size", "payload", "split_phase", "wire", "work"]
+           "GROUPS", "Kernel", "Land", "Local", "LseMax", "OWN", "PHASES", "Problem", "Step", "TREE_OPS", "Weigh",
+           "Work", "Zeros", "area", "attention_flops", "distribution", "group_size", "payload", "split_phase", "wire",
+           "work"]

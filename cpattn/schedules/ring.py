@@ -10,9 +10,9 @@ step's block gradients are computed, so its transfer overlaps compute too. dq st
 
 Per rank (P > 1): forward sends and receives (P-1) packed kv; backward (P-1) packed kv plus P float32
 dk/dv accumulators (what :meth:`RingSchedule.steps` declares). The steps are the program: the
-executor (``cpattn.executor``) runs them, so the loop below is data, not code. ``ring_forward`` /
-``ring_backward`` run the same ring over any list of ranks (``usp`` runs it across its Ulysses groups).
-Any range layout works (``custom_layout``).
+executor (``cpattn.executor``) runs them, so the loop below is data, not code. :func:`ring_steps`
+is the ring over any stride of ranks (``usp`` runs it across its Ulysses groups). Any range layout
+works (``custom_layout``).
 """
 
 from __future__ import annotations
@@ -20,13 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-import torch
-
-from ..blocks import Block
-from ..executor import execute
 from ..steps import Add, Attend, AttendBack, CommOp, Problem, Step, Work, Zeros
 from ..topology import Topology
-from .base import Runtime, Schedule
+from .base import Schedule
 
 
 def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], kv: CommOp, dkv: CommOp, phase: str,
@@ -58,33 +54,6 @@ def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], k
     if n > 1:
         steps.append(Step((), (replace(dkv, send=grads(n - 1), recv="dkv"),), overlap=False, live_bytes=live))
     return steps
-
-
-def ring_forward(rt: Runtime, q: torch.Tensor, kv: torch.Tensor, ring: list[int],
-                 blocks_of: Callable[[int], list[Block]], steps: list[Step] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward ring over the group ranks ``ring`` (this rank among them): packed ``kv [2, b, s, h_kv,
-    d]`` moves one place along the ring per step; at step t this rank attends ``q`` to the kv that
-    started t places behind it, with blocks ``blocks_of(t)``. ``steps``: the program (default
-    :func:`ring_steps` without a cost view). Returns the float32 (out, lse) accumulators."""
-    n = len(ring)
-    steps = steps if steps is not None else ring_steps(n, lambda t: (), CommOp("sendrecv", 0), CommOp("sendrecv", 0),
-                                                       "forward", 0)
-    roles = execute(rt, steps, {"q": q, "kv0": kv}, lambda src: blocks_of(src[1]), ring, keep=("out",))
-    return roles["out"].out, roles["out"].lse
-
-
-def ring_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, ring: list[int], blocks_of: Callable[[int], list[Block]],
-                  steps: list[Step] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward ring matching :func:`ring_forward`; returns float32 ``dq`` and this rank's packed
-    ``dkv [2, b, s, h_kv, d]`` (home after a full turn)."""
-    n = len(ring)
-    steps = steps if steps is not None else ring_steps(n, lambda t: (), CommOp("sendrecv", 0), CommOp("sendrecv", 0),
-                                                       "backward", 0)
-    roles = execute(rt, steps, {"q": q, "kv0": kv, "dout": dout, "out": out, "lse": lse},
-                    lambda src: blocks_of(src[1]), ring, keep=("dq", "dkv"))
-    return roles["dq"], roles["dkv"]
 
 
 class RingSchedule(Schedule):

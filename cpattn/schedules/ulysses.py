@@ -26,17 +26,20 @@ point-to-point shifts instead of a collective (same bytes: (D-1) sends and recei
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
 import torch
 
+from ..executor import execute
 from ..kernels import acc_dtype
 from ..layout import grouped
 from ..pairs import head_split, pair_work
-from ..steps import CommOp, Problem, Step
+from ..steps import CommOp, Local, Problem, Step
 from ..topology import Topology
-from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
+from .base import Runtime, Schedule
 from .ring import ring_steps
-
-TAG_A2A = 2  # point-to-point exchanges inside a sub-group (ring.py uses 0 and 1)
 
 
 def divisors(n: int, at_most: int) -> list[int]:
@@ -60,74 +63,75 @@ def _replicated(plan: list[list[int]], kv_heads: int) -> bool:
     return sum(len(p) for p in plan) != kv_heads
 
 
-def exchange(rt: Runtime, members: list[int], send: torch.Tensor) -> torch.Tensor:
-    """All-to-all among the group ranks ``members`` (this rank included): ``send[j]`` goes to
-    ``members[j]``; returns ``recv`` with ``recv[j]`` from ``members[j]``. The whole group uses one
-    collective; a strict subset posts one point-to-point shift per k = 1 .. D-1 (send to the member k
-    places after this one, receive from the one k places before), all in flight together, as
-    :func:`exchange_ops` declares."""
-    comm, d = rt.comm, len(members)
-    if d == 1:
-        return send
-    out = comm.new_buffer(send.shape, send.dtype, send.device)
-    if d == comm.world_size:
-        comm.all_to_all(out, send)
-        return out
-    me = members.index(comm.rank)
-    out[me].copy_(send[me])
-    shifts = [comm.send_recv([(send[(me + k) % d], members[(me + k) % d])],
-                             [(out[(me - k) % d], members[(me - k) % d])], tag=TAG_A2A) for k in range(1, d)]
-    for handle in shifts:
-        handle.wait()
-    return out
+def transforms(q: torch.Tensor, k: torch.Tensor, degree: int) -> dict[str, Callable[[Any], Any]]:
+    """The local rearrangements of a head split among ``degree`` members (the :class:`~cpattn.steps.Local`
+    actions of :func:`head_split_steps`), for local ``q [b, s, h, d]`` and ``k [b, s, h_kv, d]``. An
+    exchange sends slice j of its ``*_pack`` output to member j and the ``*_unpack`` of what arrives
+    (slice j from member j) is the other split:
 
+    - ``heads``: ``[b, s, H, d]`` (sequence split) -> ``[b, D*s, H/D, d]`` (head split, the members'
+      tokens in member order);
+    - ``kv``: packed ``[2, b, s, h_kv, d]`` -> ``[2, b, D*s, K, d]``, member j getting the kv heads
+      ``kv_plan(...)[j]``;
+    - ``seq``: ``[b, D*s, H/D, d]`` -> ``[b, s, H, d]``, the inverse of ``heads``; ``lse``: ``[b, H/D,
+      D*s]`` -> ``[b, H, s]``;
+    - ``dkv``: the inverse of ``kv`` for float32 gradients, in :func:`dkv_dtype`, summing the copies
+      of a kv head that went to several members;
+    - ``out_h``, ``lse_h``: output accumulators -> the head-split ``out`` (input dtype) and ``lse``;
+      ``dq_h``: float32 dq -> the input dtype."""
+    n, dtype, hk = degree, q.dtype, k.shape[2]
+    plan = kv_plan(q.shape[2], hk, n)
+    heads = torch.tensor([h for p in plan for h in p], device=q.device)
 
-def scatter_heads(rt: Runtime, members: list[int], x: torch.Tensor) -> torch.Tensor:
-    """Sequence split ``[b, s, H, d]`` -> head split ``[b, D*s, H/D, d]`` (members' tokens in order)."""
-    b, s, h, d = x.shape
-    n = len(members)
-    send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
-    return exchange(rt, members, send).permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
+    def heads_pack(x):
+        b, s, h, d = x.shape
+        return x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
 
+    def heads_unpack(r):
+        _, b, s, hl, d = r.shape
+        return r.permute(1, 0, 2, 3, 4).reshape(b, n * s, hl, d)
 
-def gather_heads(rt: Runtime, members: list[int], y: torch.Tensor) -> torch.Tensor:
-    """Head split ``[b, D*s, H/D, d]`` -> sequence split ``[b, s, H, d]`` (inverse of scatter_heads)."""
-    b, ns, hl, d = y.shape
-    n = len(members)
-    send = y.reshape(b, n, ns // n, hl, d).transpose(0, 1).contiguous()
-    return exchange(rt, members, send).permute(1, 2, 0, 3, 4).reshape(b, ns // n, n * hl, d)
+    def kv_pack(kv):
+        _, b, s, _, d = kv.shape
+        return kv.index_select(3, heads).reshape(2, b, s, n, len(plan[0]), d).permute(3, 0, 1, 2, 4, 5).contiguous()
 
+    def kv_unpack(r):
+        _, _, b, s, kh, d = r.shape
+        return r.permute(1, 2, 0, 3, 4, 5).reshape(2, b, n * s, kh, d)
 
-def gather_lse(rt: Runtime, members: list[int], lse: torch.Tensor) -> torch.Tensor:
-    """Head split ``[b, H/D, D*s]`` -> sequence split ``[b, H, s]``."""
-    b, hl, ns = lse.shape
-    n = len(members)
-    send = lse.reshape(b, hl, n, ns // n).permute(2, 0, 1, 3).contiguous()
-    return exchange(rt, members, send).transpose(0, 1).reshape(b, n * hl, ns // n)
+    def seq_pack(y):
+        b, ns, hl, d = y.shape
+        return y.reshape(b, n, ns // n, hl, d).transpose(0, 1).contiguous()
 
+    def seq_unpack(r):
+        _, b, s, hl, d = r.shape
+        return r.permute(1, 2, 0, 3, 4).reshape(b, s, n * hl, d)
 
-def scatter_kv(rt: Runtime, members: list[int], kv: torch.Tensor, plan: list[list[int]]) -> torch.Tensor:
-    """Packed ``kv [2, b, s, h_kv, d]`` -> ``[2, b, D*s, K, d]``: rank j gets heads ``plan[j]``."""
-    _, b, s, _, d = kv.shape
-    n, k = len(members), len(plan[0])
-    heads = torch.tensor([h for p in plan for h in p], device=kv.device)
-    send = kv.index_select(3, heads).reshape(2, b, s, n, k, d).permute(3, 0, 1, 2, 4, 5).contiguous()
-    return exchange(rt, members, send).permute(1, 2, 0, 3, 4, 5).reshape(2, b, n * s, k, d)
+    def lse_pack(lse):
+        b, hl, ns = lse.shape
+        return lse.reshape(b, hl, n, ns // n).permute(2, 0, 1, 3).contiguous()
 
+    def lse_unpack(r):
+        _, b, hl, s = r.shape
+        return r.transpose(0, 1).reshape(b, n * hl, s)
 
-def gather_dkv(rt: Runtime, members: list[int], dkv: torch.Tensor, plan: list[list[int]], kv_heads: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`scatter_kv` for gradients: ``[2, b, D*s, K, d]`` -> ``[2, b, s, h_kv, d]``
-    (float32, or ``dtype``), summing the copies of a kv head that went to several ranks."""
-    _, b, ns, k, d = dkv.shape
-    n = len(members)
-    send = dkv.to(dtype).reshape(2, b, n, ns // n, k, d).permute(2, 0, 1, 3, 4, 5).contiguous()
-    recv = exchange(rt, members, send).permute(1, 2, 3, 0, 4, 5).reshape(2, b, ns // n, n * k, d)
-    if not _replicated(plan, kv_heads):
-        return recv
-    heads = torch.tensor([h for p in plan for h in p], device=dkv.device)
-    out = torch.zeros(2, b, ns // n, kv_heads, d, dtype=recv.dtype, device=recv.device)
-    return out.index_add_(3, heads, recv)
+    def dkv_pack(dkv):
+        _, b, ns, kh, d = dkv.shape
+        send = dkv.to(dkv_dtype(plan, hk, dtype)).reshape(2, b, n, ns // n, kh, d)
+        return send.permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def dkv_unpack(r):
+        _, _, b, s, kh, d = r.shape
+        recv = r.permute(1, 2, 3, 0, 4, 5).reshape(2, b, s, n * kh, d)
+        if not _replicated(plan, hk):
+            return recv
+        out = torch.zeros(2, b, s, hk, d, dtype=recv.dtype, device=recv.device)
+        return out.index_add_(3, heads, recv)
+
+    return {"heads_pack": heads_pack, "heads_unpack": heads_unpack, "kv_pack": kv_pack, "kv_unpack": kv_unpack,
+            "seq_pack": seq_pack, "seq_unpack": seq_unpack, "lse_pack": lse_pack, "lse_unpack": lse_unpack,
+            "dkv_pack": dkv_pack, "dkv_unpack": dkv_unpack, "out_h": lambda acc: acc.out.to(dtype),
+            "lse_h": lambda acc: acc.lse, "dq_h": lambda dq: dq.to(dtype)}
 
 
 def dkv_dtype(plan: list[list[int]], kv_heads: int, dtype: torch.dtype) -> torch.dtype:
@@ -168,29 +172,10 @@ class UlyssesSchedule(Schedule):
         return saved_like(q, k, world)
 
     def forward(self, rt: Runtime, q, k, v):
-        members = list(range(rt.world))
-        plan = kv_plan(q.shape[2], k.shape[2], rt.world)
-        q_h = scatter_heads(rt, members, q)
-        kv_h = scatter_kv(rt, members, torch.stack([k, v]), plan)
-        acc = new_accumulators(q_h)
-        attend(rt, q_h, kv_h[0], kv_h[1], rt.blocks(members, members), acc)
-        out_h, lse_h = acc.out.to(q.dtype), acc.lse
-        out, lse = gather_heads(rt, members, out_h), gather_lse(rt, members, lse_h)
-        return out, lse, (q_h, kv_h, out_h, lse_h)
+        return run_head_split(self, rt, q, k, v, rt.world)
 
     def backward(self, rt: Runtime, dout, q, k, v, out, lse, saved=()):
-        q_h, kv_h, out_h, lse_h = saved
-        members = list(range(rt.world))
-        plan = kv_plan(q.shape[2], k.shape[2], rt.world)
-        dout_h = scatter_heads(rt, members, dout)
-        acc = acc_dtype(q.dtype)
-        dq_h = torch.zeros(q_h.shape, dtype=acc, device=q.device)
-        dkv_h = torch.zeros(kv_h.shape, dtype=acc, device=q.device)
-        attend_backward(rt, dout_h, q_h, kv_h[0], kv_h[1], out_h, lse_h, rt.blocks(members, members),
-                        dq_h, dkv_h[0], dkv_h[1])
-        dq = gather_heads(rt, members, dq_h.to(q.dtype))
-        dkv = gather_dkv(rt, members, dkv_h, plan, k.shape[2], dkv_dtype(plan, k.shape[2], q.dtype))
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return run_head_split_backward(self, rt, dout, q, k, saved, rt.world)
 
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """The all-to-alls to the head split, whole-sequence attention on h/P heads (the same work on
@@ -216,17 +201,19 @@ def messages(shape: Problem, degree: int) -> dict[str, int]:
             "dkv": kv * (a if _replicated(plan, hk) else e)}
 
 
-def exchange_ops(degree: int, nbytes: int, whole_group: bool, group: str = "world") -> tuple[CommOp, ...]:
-    """The cost-model ops of one :func:`exchange` of ``nbytes`` in per rank among ``degree`` members:
-    one all-to-all over the whole group, else one point-to-point shift by k = 1 .. degree-1 of
-    ``nbytes / degree`` each (one call each at run time, all in flight together; the ops of a step add
-    up, as the all-to-all's pairwise rounds do), on ``group`` ("node" when every member set lies in one
-    node; on "world" a shift by k stands for the shift inside each member set)."""
+def exchange_ops(degree: int, nbytes: int, whole_group: bool, group: str = "world", send: str | None = None,
+                 recv: str | None = None) -> tuple[CommOp, ...]:
+    """The ops of one exchange of ``nbytes`` in per rank among ``degree`` consecutive members, from
+    role ``send`` (slice j for member j) into role ``recv``: one all-to-all over the whole group, else
+    one point-to-point shift by k = 1 .. degree-1 of ``nbytes / degree`` each (all in flight together;
+    the ops of a step add up, as the all-to-all's pairwise rounds do), on ``group`` ("node" when every
+    member set lies in one node; on "world" a shift by k stands for the shift inside each member set)."""
     if degree == 1:
         return ()
     if whole_group:
-        return (CommOp("all_to_all", nbytes),)
-    return tuple(CommOp("sendrecv", nbytes // degree, group=group, peer=k) for k in range(1, degree))
+        return (CommOp("all_to_all", nbytes, send=send, recv=recv),)
+    return tuple(CommOp("sendrecv", nbytes // degree, group=group, peer=k, send=send, recv=recv, within=degree,
+                        slot=True) for k in range(1, degree))
 
 
 def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group: str = "world") -> list[Step]:
@@ -250,7 +237,8 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
     def work_at(t: int):
         return head_split(pairs.by_offset(t), degree, problem.heads // degree, kv_heads)
 
-    into, back = (tuple(op for m in part for op in exchange_ops(degree, msg[m], degree == p, group))
+    into, back = (tuple(op for m in part for op in exchange_ops(degree, msg[m], degree == p, group, f"{m}_out",
+                                                                 f"{m}_in"))
                   for part in EXCHANGES[phase])
     q, kv, lse, acc = msg["q"], msg["kv"], msg["lse"], shape.acc_bytes
     kv_acc = kv // shape.elem * shape.acc_elem  # the ring's float32 dk/dv
@@ -267,8 +255,70 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
         live_out = saved + dq_acc + kv_acc + 2 * (q + msg["dkv"])
     kv_op = CommOp("sendrecv", kv, peer=degree)  # ring neighbours are degree ranks apart
     dkv_op = CommOp("sendrecv", kv_acc, peer=degree)
-    steps = [Step((), into, overlap=False, live_bytes=live_in)] if into else []
+    steps = [Step((), into, overlap=False, live_bytes=live_in, before=CODECS[phase][0][0],
+                  after=CODECS[phase][0][1])] if into else []
     steps += ring_steps(n, work_at, kv_op, dkv_op, phase, live_ring)
     if back:
-        steps.append(Step((), back, overlap=False, live_bytes=live_out))
+        steps.append(Step((), back, overlap=False, live_bytes=live_out, before=CODECS[phase][1][0],
+                          after=CODECS[phase][1][1]))
     return steps
+
+
+#: per phase, the actions around the exchanges to the head split and back (:func:`transforms`):
+#: (before: pack what is sent, after: unpack what arrived). Forward the head split replaces roles
+#: ``q`` and ``kv0`` (the ring runs on them) and the results are ``out_seq`` and ``lse_seq`` (``out_h``,
+#: ``lse_h``: the head-split output kept for the backward); backward ``dout`` is replaced and the
+#: results are ``dq_seq`` and ``dkv_seq``.
+CODECS = {
+    "forward": (((Local("heads_pack", "q", "q_out"), Local("kv_pack", "kv0", "kv_out")),
+                 (Local("heads_unpack", "q_in", "q"), Local("kv_unpack", "kv_in", "kv0"))),
+                ((Local("out_h", "out", "out_h"), Local("lse_h", "out", "lse_h"), Local("seq_pack", "out_h", "out_out"),
+                  Local("lse_pack", "lse_h", "lse_out")),
+                 (Local("seq_unpack", "out_in", "out_seq"), Local("lse_unpack", "lse_in", "lse_seq")))),
+    "backward": (((Local("heads_pack", "dout", "dout_out"),), (Local("heads_unpack", "dout_in", "dout"),)),
+                 ((Local("dq_h", "dq", "dq_h"), Local("seq_pack", "dq_h", "dq_out"),
+                   Local("dkv_pack", "dkv", "dkv_out")),
+                  (Local("seq_unpack", "dq_in", "dq_seq"), Local("dkv_unpack", "dkv_in", "dkv_seq")))),
+}
+
+
+def group_blocks(rt: Runtime, degree: int, t: int):
+    """This rank's Ulysses group's queries against the keys of the group ``t`` places behind it on the
+    ring across groups (groups of ``degree`` consecutive ranks; one group: the whole sequence)."""
+    i, n = rt.rank // degree, rt.world // degree
+
+    def group(j: int) -> list[int]:
+        return [j * degree + x for x in range(degree)]
+
+    return rt.blocks(group(i), group((i - t) % n))
+
+
+def run_head_split(schedule: Schedule, rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int):
+    """The forward of a head split of ``degree`` (:func:`head_split_steps` on the executor): ``out``,
+    ``lse`` and the tensors the backward needs, ``(q_h, kv_h, out_h, lse_h)``."""
+    steps = schedule.steps(rt.problem(q, k), "forward", rt.topology)
+    code = transforms(q, k, degree)
+    roles = execute(rt, steps, {"q": q, "kv0": torch.stack([k, v])}, partial(_ring_of_groups, rt, degree),
+                    keep=("q", "kv0", "out", "out_h", "lse_h", "out_seq", "lse_seq"), transforms=code)
+    if "out_seq" not in roles:  # one member: the head split is the sequence split
+        out_h, lse_h = code["out_h"](roles["out"]), code["lse_h"](roles["out"])
+        return out_h, lse_h, (roles["q"], roles["kv0"], out_h, lse_h)
+    return roles["out_seq"], roles["lse_seq"], (roles["q"], roles["kv0"], roles["out_h"], roles["lse_h"])
+
+
+def _ring_of_groups(rt: Runtime, degree: int, src):
+    if src[0] != "ring":
+        raise ValueError(f"a head split's ring has no block source {src!r}")
+    return group_blocks(rt, degree, src[1])
+
+
+def run_head_split_backward(schedule: Schedule, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            saved: tuple, degree: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward matching :func:`run_head_split` from its ``saved`` tensors: ``dq, dk, dv``."""
+    q_h, kv_h, out_h, lse_h = saved
+    steps = schedule.steps(rt.problem(q, k), "backward", rt.topology)
+    code = transforms(q, k, degree)
+    roles = execute(rt, steps, {"q": q_h, "kv0": kv_h, "out": out_h, "lse": lse_h, "dout": dout},
+                    partial(_ring_of_groups, rt, degree), keep=("dq", "dkv", "dq_seq", "dkv_seq"), transforms=code)
+    dq, dkv = (roles["dq_seq"], roles["dkv_seq"]) if "dq_seq" in roles else (code["dq_h"](roles["dq"]), roles["dkv"])
+    return dq, dkv[0].to(k.dtype), dkv[1].to(k.dtype)

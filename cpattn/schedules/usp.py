@@ -28,20 +28,7 @@ import torch
 from ..steps import Problem, Step
 from ..topology import Topology
 from .base import Runtime, Schedule
-from .ring import ring_backward, ring_forward
-from .ulysses import (
-    check_heads,
-    divisors,
-    dkv_dtype,
-    gather_dkv,
-    gather_heads,
-    gather_lse,
-    head_split_steps,
-    kv_plan,
-    saved_like,
-    scatter_heads,
-    scatter_kv,
-)
+from .ulysses import check_heads, divisors, head_split_steps, run_head_split, run_head_split_backward, saved_like
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,43 +62,14 @@ class USPSchedule(Schedule):
                 raise ValueError(f"{self.name}: ulysses_degree={d} must divide the group size {world}")
             check_heads(self.name, q.shape[2], d, world)
 
-    def _groups(self, rt: Runtime, heads: int) -> tuple[int, list[int], list[int]]:
-        """(D, this rank's Ulysses members, this rank's ring)."""
-        d = self.degree(heads, rt.world, rt.topology)
-        i, u = divmod(rt.rank, d)
-        return d, [i * d + x for x in range(d)], [j * d + u for j in range(rt.world // d)]
-
-    @staticmethod
-    def _blocks_of(rt: Runtime, d: int, ring: list[int]):
-        i, n = ring.index(rt.rank), len(ring)
-
-        def group(j: int) -> list[int]:
-            return [j * d + x for x in range(d)]
-
-        return lambda t: rt.blocks(group(i), group((i - t) % n))
-
     def saved_like(self, q, k, world, topology=None):
         return saved_like(q, k, self.degree(q.shape[2], world, topology))
 
     def forward(self, rt: Runtime, q, k, v):
-        d, members, ring = self._groups(rt, q.shape[2])
-        plan = kv_plan(q.shape[2], k.shape[2], d)
-        q_h = scatter_heads(rt, members, q)
-        kv_h = scatter_kv(rt, members, torch.stack([k, v]), plan)
-        out_acc, lse_h = ring_forward(rt, q_h, kv_h, ring, self._blocks_of(rt, d, ring))
-        out_h = out_acc.to(q.dtype)
-        out, lse = gather_heads(rt, members, out_h), gather_lse(rt, members, lse_h)
-        return out, lse, (q_h, kv_h, out_h, lse_h)
+        return run_head_split(self, rt, q, k, v, self.degree(q.shape[2], rt.world, rt.topology))
 
     def backward(self, rt: Runtime, dout, q, k, v, out, lse, saved=()):
-        q_h, kv_h, out_h, lse_h = saved
-        d, members, ring = self._groups(rt, q.shape[2])
-        plan = kv_plan(q.shape[2], k.shape[2], d)
-        dout_h = scatter_heads(rt, members, dout)
-        dq_h, dkv_h = ring_backward(rt, dout_h, q_h, kv_h, out_h, lse_h, ring, self._blocks_of(rt, d, ring))
-        dq = gather_heads(rt, members, dq_h.to(q.dtype))
-        dkv = gather_dkv(rt, members, dkv_h, plan, k.shape[2], dkv_dtype(plan, k.shape[2], q.dtype))
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return run_head_split_backward(self, rt, dout, q, k, saved, self.degree(q.shape[2], rt.world, rt.topology))
 
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """The Ulysses exchanges of degree D, the ring across the P / D groups, the exchanges back
