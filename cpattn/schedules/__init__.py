@@ -28,24 +28,28 @@ USP = USPSchedule
 Ultra = UltraSchedule
 
 
-def register(cls: type[Schedule]) -> type[Schedule]:
-    """Add a schedule class under its names (``cls.aliases``, each with its options, or ``cls.name``;
-    each must be new); returns it, so it works as a decorator."""
+def register(cls: type[Schedule], *names: str) -> type[Schedule]:
+    """Add a schedule class under ``names`` (default: all of ``cls.aliases``, each with its options, or
+    ``cls.name``; each must be new); returns it, so it works as a decorator."""
     if not (isinstance(cls, type) and issubclass(cls, Schedule)) or not (cls.aliases or isinstance(cls.name, str)
                                                                        and cls.name):
         raise TypeError(f"register() takes a Schedule subclass with a name, got {cls!r}")
     entries = cls.aliases or {cls.name: {}}
-    for name in entries:
+    names = names or tuple(entries)
+    for name in names:
+        if name not in entries:
+            raise ValueError(f"{cls.__name__} has no alias {name!r}; its names: {', '.join(entries)}")
         if name in _REGISTRY:
             raise ValueError(f"schedule {name!r} is already registered")
-    for name, options in entries.items():
-        _REGISTRY[name] = (cls, dict(options))
+    for name in names:
+        _REGISTRY[name] = (cls, dict(entries[name]))
     return cls
 
 
-for _cls in (RingSchedule, ZigzagRingSchedule, StripeRingSchedule, AllGather, RingX, UltraSchedule,
-             UlyssesSchedule, USPSchedule):
-    register(_cls)
+for _cls, *_names in ((RingSchedule,), (ZigzagRingSchedule,), (StripeRingSchedule,), (AllGather, "allgather"),
+                      (RingX, "ringx1", "ringx1o", "ringx2", "ringx2o"), (AllGather, "ringx3", "ringx3b"),
+                      (RingX, "ringx4", "ringx4o"), (UltraSchedule,), (UlyssesSchedule,), (USPSchedule,)):
+    register(_cls, *_names)
 
 
 def names() -> list[str]:
