@@ -22,6 +22,17 @@ LLAMA_SCHEDULES = ["ring", "zigzag_ring", "ringx3", "ringx4o", "ulysses"]
 VIT_SCHEDULES = ["ringx1o", "ringx3b"]
 
 
+def _matrix(schedules: list[str]) -> list:
+    """Every (schedule, mesh): in the default run each schedule on one mesh, the meshes taken in turn (so
+    every schedule and every mesh runs), the rest behind the slow marker (``make test-all``)."""
+    cases = []
+    for i, schedule in enumerate(schedules):
+        for j, (dp, cp) in enumerate(MESHES):
+            marks = () if j == i % len(MESHES) else (pytest.mark.slow,)
+            cases.append(pytest.param(schedule, dp, cp, marks=marks))
+    return cases
+
+
 def _run(worlds, cfg: train.TrainConfig, return_params: bool = True) -> dict:
     results = worlds.get(cfg.world).run(train.run_rank, timeout=300, name=f"train {cfg}",
                                         config=cfg.__dict__ | {"documents": list(cfg.documents)},
@@ -58,16 +69,14 @@ def references(worlds):
             "documents": _run(worlds, _base("llama", dp=1, cp=1, schedule="ring", task="documents"))}
 
 
-@pytest.mark.parametrize("dp,cp", MESHES)
-@pytest.mark.parametrize("schedule", LLAMA_SCHEDULES)
+@pytest.mark.parametrize("schedule,dp,cp", _matrix(LLAMA_SCHEDULES))
 def test_llama_loss_parity(worlds, references, dp, cp, schedule):
     got = _run(worlds, _base("llama", dp=dp, cp=cp, schedule=schedule))
     _assert_same_run(got, references["llama"], f"llama dp{dp} x cp{cp} {schedule}")
     assert got["losses"][-1] < got["losses"][0]
 
 
-@pytest.mark.parametrize("dp,cp", MESHES)
-@pytest.mark.parametrize("schedule", VIT_SCHEDULES)
+@pytest.mark.parametrize("schedule,dp,cp", _matrix(VIT_SCHEDULES))
 def test_vit_loss_parity(worlds, references, dp, cp, schedule):
     got = _run(worlds, _base("vit", dp=dp, cp=cp, schedule=schedule))
     _assert_same_run(got, references["vit"], f"vit dp{dp} x cp{cp} {schedule}")
