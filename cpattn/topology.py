@@ -95,6 +95,11 @@ class Device:
         h = self.half_tokens
         return peak * eff * (q_len / (q_len + h)) * (kv_len / (kv_len + h))
 
+    def merge_time(self, nbytes: int) -> float:
+        """Seconds to fold one received partial result of ``nbytes`` bytes into an accumulator of the same
+        size (lse merge of outputs, or a gradient sum): read both and write one, plus one launch."""
+        return self.launch + 3.0 * nbytes / self.memory_bandwidth
+
     def kernel_time(self, kernel: Kernel, problem: Problem, phase: str) -> float:
         """Seconds for one call of ``kernel``: launch + FLOPs / rate + epilogue bytes / bandwidth."""
         flops = kernel.flops(problem, phase)

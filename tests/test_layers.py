@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cpattn"
 CORE = {"masks", "layout", "blocks", "kernels", "kernels_cuda", "merge", "comm", "trace", "topology", "steps", "pairs",
-        "executor"}
+        "executor", "simulator"}
 LAYERS = {"core": 1, "schedules": 2, "model": 3, "tools": 4}
 
 
@@ -83,6 +83,26 @@ def upward_imports() -> list[str]:
 def test_no_module_imports_a_higher_layer():
     bad = upward_imports()
     assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def package_cycles() -> list[str]:
+    """Pairs of sub-packages (``cost``, ``planner``, ...) that import each other, with one import each way."""
+    edges: dict[tuple[str, str], str] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        parts = module.split(".")
+        if len(parts) < 3:
+            continue  # a top-level module, not inside a sub-package
+        for line, target in imports_of(path):
+            other = target.split(".")
+            if len(other) >= 2 and other[1] != parts[1] and (PACKAGE / other[1]).is_dir():
+                edges.setdefault((parts[1], other[1]), f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    return [f"{a} <-> {b}: {edges[a, b]}; {edges[b, a]}" for (a, b) in sorted(edges) if a < b and (b, a) in edges]
+
+
+def test_no_two_subpackages_import_each_other():
+    cycles = package_cycles()
+    assert not cycles, "import cycles between sub-packages:\n" + "\n".join(cycles)
 
 
 def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ the calibrated ``local`` machine. Problems, steps, topologies and devices are co
 """
 
 from ..pairs import PairWork, pair_work
+from ..simulator import Task, Timeline, lane, simulate, transfer
 from ..steps import CommOp, Kernel, Problem, Step, Work, distribution, work
 from ..topology import Device, Link, RatePoint, Topology
 from . import presets
@@ -26,7 +27,6 @@ from .estimate import (
 )
 from .presets import preset
 from .profile import Profile, ProfileError
-from .simulator import Task, Timeline, lane, simulate, transfer
 
 __all__ = ["CommOp", "Device", "Estimate", "Kernel", "Link", "PairWork", "Problem", "Profile", "ProfileError",
            "RatePoint", "Step", "Task", "Timeline", "Topology", "Work", "check_supports", "choose", "declares_steps",

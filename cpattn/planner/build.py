@@ -29,10 +29,10 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from ..cost.simulator import Timeline, simulate
 from ..layout import check_order
 from ..masks import Mask, resolve
 from ..schedules.ultra import Sizes
+from ..simulator import Timeline, simulate
 from ..steps import DTYPE_BYTES, Problem
 from ..topology import Topology
 from . import block_table as bt

@@ -1,6 +1,6 @@
 """The kernel graph of one phase (docs/ultraattn.md, "Routing" and "Schedule"): compute kernels,
 transfers of chunks between devices, merges of partial results, and the dependencies between them,
-as :class:`cpattn.cost.simulator.Task` so the cost model times and simulates it.
+as :class:`cpattn.simulator.Task` so the cost model times and simulates it.
 
 Items that travel (one message each, ``chunk`` tokens of one chunk) and their sizes are the
 executor's table, :data:`cpattn.schedules.ultra.ITEMS`: q, kv (packed), o (partial output and lse),
@@ -23,9 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..cost.plan_costs import merge_time
-from ..cost.simulator import Task, compute, transfer
 from ..schedules.ultra import ITEMS, Sizes
+from ..simulator import Task, compute, transfer
 from ..topology import Topology
 from .block_table import BlockTable
 from .pricing import Pricing
@@ -169,7 +168,7 @@ def build(phase: str, table: BlockTable, kernels: list[Kernel], owner: list[int]
         # the kernel's outputs are folded into per-chunk accumulators on the same lane, right after it
         folded = sum(len(kn.rows if per == "rows" else kn.cols) * sizes.item_bytes(item)
                      for item, per in OUTPUTS[phase])
-        seconds = pricing.seconds(table, kn.kind, kn.rows, kn.cols, phase) + merge_time(device, folded)
+        seconds = pricing.seconds(table, kn.kind, kn.rows, kn.cols, phase) + device.merge_time(folded)
         tasks.append(compute(f"c{k}", kn.device, seconds, deps[f"c{k}"]))
     for n, t in enumerate(transfers):
         nbytes = sizes.item_bytes(t.item)
@@ -179,5 +178,5 @@ def build(phase: str, table: BlockTable, kernels: list[Kernel], owner: list[int]
                                         f"node{topology.node_of(t.dst)}.nic{topology.nic_of(t.dst)}.in"))
         tasks.append(task)
         if f"m{n}" in deps:
-            tasks.append(compute(f"m{n}", t.dst, merge_time(device, nbytes), deps[f"m{n}"]))
+            tasks.append(compute(f"m{n}", t.dst, device.merge_time(nbytes), deps[f"m{n}"]))
     return KernelGraph(phase, tuple(kernels), tuple(transfers), tuple(tasks))

@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..topology import Topology
+from .topology import Topology
 
 LANE_KINDS = ("compute", "send", "recv")
 
