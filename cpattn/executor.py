@@ -298,7 +298,8 @@ def _roles(action) -> tuple[str, ...]:
 
 
 def _last_uses(steps: list[Step]) -> list[set[str]]:
-    """Per step, the roles whose last use is in it (dropped once the step ends)."""
+    """Per step, the roles whose last use is in it (dropped once the step ends; a role an op sends or
+    receives into lives until the op's wait)."""
     last: dict[str, int] = {}
     for i, st in enumerate(steps):
         for op in st.comm:
@@ -322,17 +323,26 @@ def _peers(rt: Runtime, op: CommOp) -> tuple[int, int, int, int]:
     return base * size + to, base * size + frm, to, frm
 
 
+def _tensor(roles: dict[str, Any], role: str) -> torch.Tensor:
+    """Role ``role`` as one tensor: a pair of tensors (``(k, v)``, as a schedule's forward starts) is
+    stacked the first time it must be one (sent, or the model of a buffer), and kept so."""
+    value = roles[role]
+    if isinstance(value, tuple):
+        value = roles[role] = torch.stack(value)
+    return value
+
+
 def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any]):
     """Start ``op`` on this rank; its handle. Received buffers are new (``Communicator.new_buffer``)."""
     comm = rt.comm
     if op.op == "broadcast":
         if rt.rank == op.root:
-            roles[op.recv] = buf = roles[op.send]
+            roles[op.recv] = buf = _tensor(roles, op.send)
         else:
-            mine = roles[op.send]
+            mine = _tensor(roles, op.send)
             roles[op.recv] = buf = comm.new_buffer(mine.shape, mine.dtype, mine.device)
         return comm.broadcast(buf, src=op.root, async_op=True)
-    send = roles[op.send]
+    send = _tensor(roles, op.send)
     if op.op == "all_reduce":
         return comm.all_reduce(send, op=op.reduce_op, async_op=True)
     if op.op == "reduce":
@@ -386,7 +396,7 @@ def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf,
             attend_backward(rt, roles["dout"], roles["q"], kv[0], kv[1], roles["out"], roles["lse"], blocks,
                             roles["dq"], dkv[0], dkv[1])
     elif isinstance(action, Zeros):
-        like = roles[action.like]
+        like = roles[action.like] if action.output else _tensor(roles, action.like)
         if action.output:
             roles[action.role] = Accumulators(like)
             return
@@ -417,10 +427,10 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
     also ``dout``, ``out``, ``lse``); returns the roles alive at the end, and those of ``keep`` whatever
     their last use. Per step: its ``before`` actions, issue its ops (in order; the i-th op of a step
     has tag i), its ``run`` actions, wait for the ops, its ``after`` actions, then drop the roles no
-    later step uses. ``blocks_of``: the blocks of an action's source on this rank; ``transforms``: the
-    functions :class:`~cpattn.steps.Local` actions name."""
+    later step names. ``blocks_of``: the blocks of an action's source
+    on this rank; ``transforms``: the functions :class:`~cpattn.steps.Local` actions name."""
     transforms = transforms or {}
-    drops = _last_uses(steps)
+    drops, keep = _last_uses(steps), set(keep)
     for st, drop in zip(steps, drops):
         for action in st.before:
             _do(rt, action, roles, blocks_of, transforms)
@@ -429,9 +439,10 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
             _do(rt, action, roles, blocks_of, transforms)
         for handle in handles:
             handle.wait()
+        del handles  # a finished op's handle still holds its tensors
         for action in st.after:
             _do(rt, action, roles, blocks_of, transforms)
-        for role in drop - set(keep):
+        for role in drop - keep:
             roles.pop(role, None)
     return roles
 

@@ -111,11 +111,12 @@ class Schedule:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``.
         By default the executor runs :meth:`steps` (``cpattn.executor.execute``) from the roles ``q``
-        and ``kv0`` (the packed local kv) and the result is role ``out``. A schedule that runs a loop of
+        and ``kv0`` (the local ``(k, v)``, packed into one tensor when it first travels) and the result
+        is role ``out``. A schedule that runs a loop of
         its own may return a third element, a tuple of tensors that autograd keeps and hands to its
         ``backward`` as ``saved=`` (e.g. Ulysses keeps its head-split tensors)."""
         steps = self.steps(rt.problem(q, k), "forward", rt.topology)
-        roles = execute(rt, steps, {"q": q, "kv0": torch.stack([k, v])}, partial(self.blocks_of, rt), keep=("out",))
+        roles = execute(rt, steps, {"q": q, "kv0": (k, v)}, partial(self.blocks_of, rt), keep=("out",))
         return roles["out"].out.to(q.dtype), roles["out"].lse
 
     def backward(self, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -124,7 +125,7 @@ class Schedule:
         the roles ``q``, ``kv0``, ``dout``, ``out`` and ``lse``; the results are roles ``dq`` and
         ``dkv`` (packed, float32)."""
         steps = self.steps(rt.problem(q, k), "backward", rt.topology)
-        start = {"q": q, "kv0": torch.stack([k, v]), "dout": dout, "out": out, "lse": lse}
+        start = {"q": q, "kv0": (k, v), "dout": dout, "out": out, "lse": lse}
         roles = execute(rt, steps, start, partial(self.blocks_of, rt), keep=("dq", "dkv"))
         dkv = roles["dkv"]
         return roles["dq"].to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

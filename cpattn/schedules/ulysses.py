@@ -237,9 +237,11 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
     def work_at(t: int):
         return head_split(pairs.by_offset(t), degree, problem.heads // degree, kv_heads)
 
-    into, back = (tuple(op for m in part for op in exchange_ops(degree, msg[m], degree == p, group, f"{m}_out",
-                                                                 f"{m}_in"))
-                  for part in EXCHANGES[phase])
+    def exchanges(part: int, live: int) -> list[Step]:  # one step per message, packed before, unpacked after
+        return [Step((), ops, overlap=False, live_bytes=live, before=CODECS[m][0], after=CODECS[m][1])
+                for m in EXCHANGES[phase][part]
+                if (ops := exchange_ops(degree, msg[m], degree == p, group, f"{m}_out", f"{m}_in"))]
+
     q, kv, lse, acc = msg["q"], msg["kv"], msg["lse"], shape.acc_bytes
     kv_acc = kv // shape.elem * shape.acc_elem  # the ring's float32 dk/dv
     ring = 2 if n > 1 else 0  # the ring's current and next kv (and dk/dv in flight)
@@ -255,30 +257,25 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
         live_out = saved + dq_acc + kv_acc + 2 * (q + msg["dkv"])
     kv_op = CommOp("sendrecv", kv, peer=degree)  # ring neighbours are degree ranks apart
     dkv_op = CommOp("sendrecv", kv_acc, peer=degree)
-    steps = [Step((), into, overlap=False, live_bytes=live_in, before=CODECS[phase][0][0],
-                  after=CODECS[phase][0][1])] if into else []
-    steps += ring_steps(n, work_at, kv_op, dkv_op, phase, live_ring)
-    if back:
-        steps.append(Step((), back, overlap=False, live_bytes=live_out, before=CODECS[phase][1][0],
-                          after=CODECS[phase][1][1]))
-    return steps
+    return exchanges(0, live_in) + ring_steps(n, work_at, kv_op, dkv_op, phase, live_ring) + exchanges(1, live_out)
 
 
-#: per phase, the actions around the exchanges to the head split and back (:func:`transforms`):
-#: (before: pack what is sent, after: unpack what arrived). Forward the head split replaces roles
-#: ``q`` and ``kv0`` (the ring runs on them) and the results are ``out_seq`` and ``lse_seq`` (``out_h``,
-#: ``lse_h``: the head-split output kept for the backward); backward ``dout`` is replaced and the
-#: results are ``dq_seq`` and ``dkv_seq``.
+#: per message, the actions around its exchange (:func:`transforms`): (before: pack what is sent,
+#: after: unpack what arrived). Forward the head split replaces roles ``q`` and ``kv0`` (the ring runs
+#: on them) and the results are ``out_seq`` and ``lse_seq`` (``out_h``, ``lse_h``: the head-split
+#: output kept for the backward); backward ``dout`` is replaced and the results are ``dq_seq`` and
+#: ``dkv_seq``. Each message is a step of its own, so one message's buffers are alive at a time.
 CODECS = {
-    "forward": (((Local("heads_pack", "q", "q_out"), Local("kv_pack", "kv0", "kv_out")),
-                 (Local("heads_unpack", "q_in", "q"), Local("kv_unpack", "kv_in", "kv0"))),
-                ((Local("out_h", "out", "out_h"), Local("lse_h", "out", "lse_h"), Local("seq_pack", "out_h", "out_out"),
-                  Local("lse_pack", "lse_h", "lse_out")),
-                 (Local("seq_unpack", "out_in", "out_seq"), Local("lse_unpack", "lse_in", "lse_seq")))),
-    "backward": (((Local("heads_pack", "dout", "dout_out"),), (Local("heads_unpack", "dout_in", "dout"),)),
-                 ((Local("dq_h", "dq", "dq_h"), Local("seq_pack", "dq_h", "dq_out"),
-                   Local("dkv_pack", "dkv", "dkv_out")),
-                  (Local("seq_unpack", "dq_in", "dq_seq"), Local("dkv_unpack", "dkv_in", "dkv_seq")))),
+    "q": ((Local("heads_pack", "q", "q_out"),), (Local("heads_unpack", "q_in", "q"),)),
+    "kv": ((Local("kv_pack", "kv0", "kv_out"),), (Local("kv_unpack", "kv_in", "kv0"),)),
+    "out": ((Local("out_h", "out", "out_h"), Local("seq_pack", "out_h", "out_out")),
+            (Local("seq_unpack", "out_in", "out_seq"),)),
+    "lse": ((Local("lse_h", "out", "lse_h"), Local("lse_pack", "lse_h", "lse_out")),
+            (Local("lse_unpack", "lse_in", "lse_seq"),)),
+    "dout": ((Local("heads_pack", "dout", "dout_out"),), (Local("heads_unpack", "dout_in", "dout"),)),
+    "dq": ((Local("dq_h", "dq", "dq_h"), Local("seq_pack", "dq_h", "dq_out")),
+           (Local("seq_unpack", "dq_in", "dq_seq"),)),
+    "dkv": ((Local("dkv_pack", "dkv", "dkv_out"),), (Local("dkv_unpack", "dkv_in", "dkv_seq"),)),
 }
 
 
