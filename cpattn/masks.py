@@ -939,6 +939,13 @@ class OrMask(_Combination):
         return torch.cat([sa, sb], 1), torch.cat([ea, eb], 1)
 
 
+def has_intervals(mask: Mask) -> bool:
+    """Whether ``mask`` lists the key intervals of each row (``IntervalMask.intervals``): an interval
+    mask, or a combination (``&``, ``|``) of two of them; a ``from_mask_mod`` mask anywhere in it does
+    not."""
+    return isinstance(mask, IntervalMask) and getattr(mask, "_by_intervals", True)
+
+
 class MaskModMask(Mask):
     """A mask given by ``fn(q_idx, kv_idx) -> bool tensor`` (FlexAttention convention).
 

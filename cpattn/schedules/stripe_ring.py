@@ -35,10 +35,10 @@ from ..masks import (
     CausalMask,
     FullMask,
     GlobalLocalMask,
-    IntervalMask,
     Mask,
     StreamingMask,
     StridedMask,
+    has_intervals,
 )
 from ..pairs import PairWork
 from ..steps import Kernel, Problem, Work, work
@@ -83,7 +83,7 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
         k0, k1 = c * p + kv_rank, (d - 1) * p + kv_rank + 1
         qp = torch.arange(a, b) * p + q_rank
         allowed = None
-        if not dense and isinstance(mask, IntervalMask) and mask.width(k0, k1) == 1:
+        if not dense and has_intervals(mask) and mask.width(k0, k1) == 1:
             lo, hi = (t[:, 0] for t in mask.intervals(qp, k0, k1))
             first = -torch.div(kv_rank - lo, p, rounding_mode="floor")
             stop = -torch.div(kv_rank - hi, p, rounding_mode="floor")
