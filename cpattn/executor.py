@@ -427,8 +427,8 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
     also ``dout``, ``out``, ``lse``); returns the roles alive at the end, and those of ``keep`` whatever
     their last use. Per step: its ``before`` actions, issue its ops (in order; the i-th op of a step
     has tag i), its ``run`` actions, wait for the ops, its ``after`` actions, then drop the roles no
-    later step names. ``blocks_of``: the blocks of an action's source
-    on this rank; ``transforms``: the functions :class:`~cpattn.steps.Local` actions name."""
+    later step names. ``blocks_of``: the blocks of an action's source on this rank; ``transforms``:
+    the functions :class:`~cpattn.steps.Local` actions name."""
     transforms = transforms or {}
     drops, keep = _last_uses(steps), set(keep)
     for st, drop in zip(steps, drops):
