@@ -360,13 +360,13 @@ class ContextParallel:
                 ) -> tuple[Schedule, Runtime]:
         """What ``cpattn::attention`` runs a forward with: the checks (and agreement), then the schedule
         and this call's runtime (scale, plan)."""
-        scale = self._checked_scale(q, k, v, softmax_scale)
-        plan = self.plan(q, k) if self.schedule.planned else None
-        return self.schedule, dataclasses.replace(self._runtime, scale=scale, plan=plan)
+        return self._call(q, k, self._checked_scale(q, k, v, softmax_scale))
 
     def runtime(self, q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None) -> tuple[Schedule, Runtime]:
         """The schedule and runtime of a call already checked by :meth:`prepare` (for its backward)."""
-        scale = kernels.default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+        return self._call(q, k, kernels.default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale))
+
+    def _call(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[Schedule, Runtime]:
         plan = self.plan(q, k) if self.schedule.planned else None
         return self.schedule, dataclasses.replace(self._runtime, scale=scale, plan=plan)
 
@@ -492,9 +492,7 @@ class ContextParallel:
 
     def problem(self, q: torch.Tensor, k: torch.Tensor) -> Problem:
         """The :class:`cpattn.steps.Problem` of a call with local ``q``, ``k`` (padded length)."""
-        b, _, h, d = q.shape
-        return Problem(self.seq_len, self.world_size, self.mask, b, h, k.shape[2], d, kernels.dtype_name(q.dtype),
-                       layout=self.layout, padded_len=self.padded_len)
+        return self._runtime.problem(q, k)
 
     def expected_volume(self, q: torch.Tensor, k: torch.Tensor) -> dict[str, dict[str, dict[str, int]]]:
         """What ``comm_stats()`` must count on this rank for one forward and one backward with local
