@@ -1,6 +1,8 @@
 """cpattn: exact context-parallel attention on torch.distributed."""
 
-from . import kernels, layout, masks, merge, schedules
+import sys as _sys
+
+from . import schedules
 from .api import (
     ContextParallel,
     allgather_attn_func,
@@ -17,9 +19,16 @@ from .api import (
     ulysses_attn_func,
     zigzag_ring_attn_func,
 )
-from .comm import Communicator
-from .topology import Topology
+from .core import kernels, layout, masks, merge
+from .core.comm import Communicator
+from .core.topology import Topology
 from .version import __version__
+
+# the public modules keep their short import paths (``from cpattn.masks import causal``): one module
+# object under two names, never a second copy
+for _name, _module in (("masks", masks), ("layout", layout), ("kernels", kernels), ("merge", merge)):
+    _sys.modules[f"{__name__}.{_name}"] = _module
+del _name, _module
 
 __all__ = [
     "__version__",

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .comm import Communicator
+from .core.comm import Communicator
 
 #: values of ``ContextParallel(check=...)``
 CHECK_MODES = ("first", "always", "off")

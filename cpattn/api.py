@@ -17,21 +17,25 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from . import agree, cost, kernels, planner, schedules
-from . import layout as layout_mod
-from .comm import Communicator, DeviceMesh
+from . import agree, cost, planner, schedules
+from .core import kernels, memo
+from .core import layout as layout_mod
+from .core.comm import Communicator, DeviceMesh
+from .core.masks import Mask, causal, full, resolve, sliding_window
+from .core.memo import BoundedCache
+from .core.steps import CommOp, Problem
+from .core.topology import Topology
 from .cost import collectives
 from .cost.estimate import plan_estimate
 from .cost.profile import ProfileError
-from .masks import Mask, causal, full, resolve, sliding_window
-from .schedules.base import BoundedCache, Runtime, Schedule, attention_op, register_site
-from .steps import CommOp, Problem
-from .topology import Topology
+from .schedules.base import Runtime, Schedule, attention_op, register_site
 from .version import __version__
 
 log = logging.getLogger(__name__)
 #: plans a ContextParallel keeps (one per q/k shape and dtype it has run)
 PLANS_KEPT = 8
+#: entries a ContextParallel remembers (block lists, steps, pair work, estimates; cpattn.core.memo)
+MEMO_KEPT = 1024
 
 
 #: the per-rank shape ``schedule="auto"`` estimates with: the layout (which ``shard`` needs) is fixed at
@@ -133,8 +137,10 @@ class ContextParallel:
         self._setup = self.comm.view(record=False)  # agreement, planning and unshard traffic is not attention's
         self._exchange_device = _exchange_device(self.comm)
         error, self._fingerprint = None, {}
+        self._memo = BoundedCache(MEMO_KEPT)  # what this object's choices, plans and runs remember
         try:
-            self._configure(seq_len, mask, schedule, topology, backend, layout, check, memory_limit)
+            with memo.scope(self._memo):
+                self._configure(seq_len, mask, schedule, topology, backend, layout, check, memory_limit)
         except (ValueError, TypeError, NotImplementedError, ImportError) as exc:
             error = exc
         if check != "off":  # "off" trusts the caller: no exchange at all, errors stay on their rank
@@ -147,7 +153,7 @@ class ContextParallel:
         wire_topology = self.topology or Topology(1, self.world_size)  # the algorithms wire bytes count with
         self.comm.set_topology(self.topology, lambda op, n: collectives.algorithm(CommOp(op, n), wire_topology))
         self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
-                                topology=self.topology, seq_len=seq_len)
+                                topology=self.topology, seq_len=seq_len, block_cache=self._memo)
         self._plans = BoundedCache(PLANS_KEPT)
         self._checked: set = set()  # call signatures already agreed on (check="first")
         self._site = register_site(self)  # how the cpattn::attention op finds this object
@@ -473,7 +479,8 @@ class ContextParallel:
         if not self.schedule.planned:
             raise ValueError(f"schedule {self.schedule.name!r} does not run a plan")
         key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device.type)
-        return self._plans.get(key, lambda: self._distribute_plan(q, k))
+        with memo.scope(self._memo):
+            return self._plans.get(key, lambda: self._distribute_plan(q, k))
 
     def _distribute_plan(self, q: torch.Tensor, k: torch.Tensor):
         if self.world_size == 1:
@@ -491,7 +498,7 @@ class ContextParallel:
         return planner.Plan.from_json(text)
 
     def problem(self, q: torch.Tensor, k: torch.Tensor) -> Problem:
-        """The :class:`cpattn.steps.Problem` of a call with local ``q``, ``k`` (padded length)."""
+        """The :class:`cpattn.core.steps.Problem` of a call with local ``q``, ``k`` (padded length)."""
         return self._runtime.problem(q, k)
 
     def expected_volume(self, q: torch.Tensor, k: torch.Tensor) -> dict[str, dict[str, dict[str, int]]]:

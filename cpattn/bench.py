@@ -5,7 +5,7 @@ schedule runs on an N-rank gloo world with cores / N threads per rank. Each conf
 once against the one-process result before it is timed; a wrong schedule is reported, not timed.
 Times are the median over iterations of the slowest rank's time. A masked configuration also times
 dense causal attention in one process (for the mask efficiency) and, as a peer, FlexAttention. With
-``timeline=True`` every rank stamps one more forward and backward (``cpattn.trace.timeline``), which
+``timeline=True`` every rank stamps one more forward and backward (``cpattn.core.trace.timeline``), which
 becomes each row's Chrome trace (:func:`write_traces`) and its hidden transfer fraction.
 """
 
@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from . import masks, memory, trace
-from .kernels import DTYPES
-from .steps import attention_flops
+from . import memory
+from .core import masks, trace
+from .core.kernels import DTYPES
+from .core.steps import attention_flops
 from .timeline import fraction_text
 from .verify import assemble
 
@@ -65,7 +66,7 @@ class BenchRow:
     tflops_per_rank: float = float("nan")  # forward + backward
     speedup: float = float("nan")  # T(one process) / T(schedule), forward + backward
     fwd_speedup: float = float("nan")
-    bytes_sent: int = 0  # busiest rank, one forward + backward (payload, cpattn.comm accounting)
+    bytes_sent: int = 0  # busiest rank, one forward + backward (payload, cpattn.core.comm accounting)
     bytes_recv: int = 0
     wire_sent: int = 0  # busiest rank, one forward + backward: sent on the wire, forwarding included
     peak_mem_bytes: int = 0  # busiest rank, peak live tensor bytes during forward + backward
@@ -95,11 +96,11 @@ def _sync(device) -> None:
 def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool = False) -> dict:
     """Runs on every rank: one checked call, then warm-up and timed iterations. The one-process
     ``baseline`` ignores the topology and layout. ``timeline``: then one more forward and backward,
-    after a barrier, with ``cpattn.trace.timeline`` active (marks "forward", "backward", "end"), returned
+    after a barrier, with ``cpattn.core.trace.timeline`` active (marks "forward", "backward", "end"), returned
     as ``"timeline"``."""
     from .api import ContextParallel
-    from .layout import work_report
-    from .topology import Topology
+    from .core.layout import work_report
+    from .core.topology import Topology
 
     c = BenchConfig(**cfg)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -455,7 +456,7 @@ def render(result: dict):
                "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd; vs X = T(X) / T(schedule), "
                "forward+backward; layout work max/mean = allowed pairs of the busiest rank's queries over the mean")
     caption += "; peak MB/rank = most live tensor bytes during one forward+backward (cpattn.memory)"
-    caption += ("; sent/recv MB/rank = payload (cpattn.comm accounting); wire MB/rank = bytes the busiest rank "
+    caption += ("; sent/recv MB/rank = payload (cpattn.core.comm accounting); wire MB/rank = bytes the busiest rank "
                 "sends on the wire, forwarding for others included, under the cost model's collective algorithms")
     masked = "causal_fwd_bwd_s" in base
     if masked:

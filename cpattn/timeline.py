@@ -1,6 +1,6 @@
 """Measured timelines: spans per rank, the Chrome trace, and how much transfer time compute hides.
 
-A rank's timeline (``cpattn.trace.timeline()``, returned by :meth:`cpattn.trace.Timeline.as_dict`) is a
+A rank's timeline (``cpattn.core.trace.timeline()``, returned by :meth:`cpattn.core.trace.Timeline.as_dict`) is a
 list of stamped events. :func:`spans` turns it into three kinds of span, in nanoseconds:
 
 - **compute**: one kernel call, from its start to its return (a stacked call of several blocks is one

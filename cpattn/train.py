@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .api import ContextParallel
-from .masks import document
+from .core.masks import document
 
 MODELS = ("llama", "vit")
 TASKS = {"llama": ("recall", "documents"), "vit": ("fields",)}

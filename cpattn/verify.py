@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from . import kernels, trace
-from .masks import BlockKind
+from .core import kernels, trace
+from .core.masks import BlockKind
 
 DTYPES = kernels.DTYPES
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
@@ -275,7 +275,7 @@ def schedule_of(case: Case):
 
 def rank_case(**fields) -> dict:
     """Run one case on this rank; returns local results (numpy, float64) and communication counts."""
-    from .masks import from_spec
+    from .core.masks import from_spec
 
     case = Case(**fields)
     return run_case_on_rank(case, from_spec(case.mask_spec))
@@ -287,7 +287,7 @@ def run_case_on_rank(case: Case, mask) -> dict:
     import torch.distributed as dist
 
     from .api import ContextParallel
-    from .topology import Topology
+    from .core.topology import Topology
 
     group = None
     if case.group is not None:
@@ -332,7 +332,7 @@ def run_case_on_rank(case: Case, mask) -> dict:
 
 # ---------------------------------------------------------------------------------- the run against steps()
 def _calls(events: list[dict]) -> tuple[list[dict], list[int]]:
-    """A recording (``cpattn.trace``) as its communicator calls in issue order (``ops``, the ``issue``
+    """A recording (``cpattn.core.trace``) as its communicator calls in issue order (``ops``, the ``issue``
     and ``wait`` positions) and the positions of its kernel calls."""
     calls: dict[int, dict] = {}
     order, computes = [], []
@@ -376,7 +376,7 @@ def check_steps(steps: list, events: list[dict], rank: int, world: int, topology
       in that step (summed over ranks by the caller, against :func:`expected_overlap`).
 
     Returns ``{"problems": [...], "overlapped": n, "computes": kernel calls}``."""
-    from .steps import group_size
+    from .core.steps import group_size
 
     expected = [(k, _step_key(op, rank, group_size(op.group, world, topology)))
                 for k, st in enumerate(steps) for op in st.comm]
@@ -615,7 +615,7 @@ def matrix(schedules: list[str], worlds: tuple[int, ...] = (1, 2, 3, 4), subgrou
     ``cpattn.masks.KINDS``; arguments from :func:`example_mask_args`) or a ``(kind, args)`` pair.
     Combinations a schedule rejects (mask or heads) are left out."""
     from . import schedules as registry
-    from .masks import from_spec
+    from .core.masks import from_spec
 
     cases = []
     places = [(w, None) for w in worlds] + ([(4, (1, 3))] if subgroup else [])

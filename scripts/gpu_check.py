@@ -80,6 +80,7 @@ def _sdpa(q, k, v, dout, allowed, causal, scale):
 def _tolerances(q, k, v, dout, allowed, kind, scale):
     """2 * e_local + 1e-6 per quantity, e_local from SDPA in the inputs' dtype."""
     from cpattn.masks import BlockKind
+
     from cpattn.verify import reference, rel_error
 
     filled = allowed.clone()
@@ -117,9 +118,9 @@ def _judge(got: dict, ref: dict, tol: dict, empty_rows) -> dict:
 # ------------------------------------------------------------------------------------ 1. exactness
 def exactness(quick: bool, deadline: float) -> list[dict]:
     import torch
+    from cpattn.masks import BlockKind
 
     from cpattn import kernels
-    from cpattn.masks import BlockKind
     from cpattn.verify import reference
 
     dev = torch.device("cuda")
@@ -260,9 +261,9 @@ def _bench_path(path, q, k, v, dout, kind, scale, mask, reps: int) -> dict:
 
 def bench(seqs: list[int], reps: int, deadline: float) -> list[dict]:
     import torch
+    from cpattn.masks import BlockKind
 
     from cpattn import kernels
-    from cpattn.masks import BlockKind
 
     dev = torch.device("cuda")
     available = kernels.available_kernels(dev)
@@ -308,9 +309,9 @@ def bench(seqs: list[int], reps: int, deadline: float) -> list[dict]:
 # ------------------------------------------------------------------------------------ 3. ContextParallel
 def context_parallel(quick: bool, deadline: float) -> list[dict]:
     import torch
+    from cpattn.masks import from_spec
 
     import cpattn
-    from cpattn.masks import from_spec
     from cpattn.verify import dense_mask, example_mask_args, local_errors, reference, rel_error
 
     dev = torch.device("cuda")

@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from cpattn.comm import POISON_ENV
+from cpattn.core.comm import POISON_ENV
 from cpattn.launcher import LocalWorld
 from cpattn.planner import CACHE_ENV
 

@@ -9,8 +9,8 @@ import torch
 import cpattn
 from cpattn import schedules, verify
 from cpattn.api import _CACHE, FUNCTIONAL_KEPT, PLANS_KEPT
+from cpattn.core.memo import BoundedCache
 from cpattn.launcher import RankError
-from cpattn.schedules.base import BoundedCache
 
 
 def test_schedule_objects_are_values_and_the_registry_hands_out_new_ones():

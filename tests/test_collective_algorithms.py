@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn import cli, schedules
-from cpattn.calibrate import fit_link
-from cpattn.comm import Communicator
+from cpattn.core.comm import Communicator
+from cpattn.core.steps import CommOp, payload, wire
+from cpattn.core.topology import Link, Topology
 from cpattn.cost import Estimate, Problem, estimate, preset
 from cpattn.cost.collectives import (
     algorithm,
@@ -24,9 +25,8 @@ from cpattn.cost.collectives import (
 )
 from cpattn.cost.estimate import busiest_bytes_sent, default_candidates, wire_by_rank
 from cpattn.cost.presets import LOCAL_ALGORITHM, local
+from cpattn.lab.calibrate import fit_link
 from cpattn.launcher import RankError
-from cpattn.steps import CommOp, payload, wire
-from cpattn.topology import Link, Topology
 
 ALPHA, BW = 4e-6, 20e9
 

@@ -10,12 +10,17 @@ import re
 
 import pytest
 import torch
+from cpattn.layout import Layout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpattn
-from cpattn import bench, calibrate, cli, masks, schedules
+from cpattn import bench, cli, masks, schedules
 from cpattn.api import AUTO_SHAPE, _auto_schedule
+from cpattn.core import memo
+from cpattn.core.pairs import EnumeratedPairs, TriangularPairs, closed_form, head_split
+from cpattn.core.steps import COMM_OPS
+from cpattn.core.topology import RatePoint
 from cpattn.cost import (
     CommOp,
     Device,
@@ -40,13 +45,10 @@ from cpattn.cost import (
     simulate,
     transfer,
 )
-from cpattn.layout import Layout
-from cpattn.pairs import EnumeratedPairs, TriangularPairs, closed_form, head_split
+from cpattn.lab import calibrate
 from cpattn.planner import get_plan, request
 from cpattn.schedules.base import Schedule
 from cpattn.schedules.usp import USPSchedule
-from cpattn.steps import COMM_OPS
-from cpattn.topology import RatePoint
 
 BASELINES = ("ring", "zigzag_ring", "stripe_ring", "allgather")
 RINGX = ("ringx1", "ringx1o", "ringx2", "ringx2o", "ringx3", "ringx3b", "ringx4", "ringx4o")
@@ -273,13 +275,16 @@ def test_estimate_rejects_mismatched_worlds_and_masks():
 
 def _assert_closed_form(sched: Schedule, problem: Problem) -> None:
     """What makes estimates at thousands of ranks cheap: ``sched``'s pair work on ``problem`` is the closed
-    form (O(P) per step, not P^2 classified rank pairs), built once and then reused from the cache."""
+    form (O(P) per step, not P^2 classified rank pairs), built once per memo scope and then reused, keyed
+    by value; outside any scope it is built anew."""
     layout = Layout(sched.layout_for(problem.mask))
     assert closed_form(problem.mask, layout, problem.seq_len, problem.world) is not None, sched.name
-    work = sched.pairs(problem)
-    assert isinstance(work, TriangularPairs), (sched.name, type(work).__name__)
     same = Problem(problem.seq_len, problem.world, masks.resolve(problem.mask.name))  # an equal problem, new objects
-    assert schedules.get(sched.name).pairs(same) is work, sched.name
+    with memo.scope():
+        work = sched.pairs(problem)
+        assert isinstance(work, TriangularPairs), (sched.name, type(work).__name__)
+        assert schedules.get(sched.name).pairs(same) is work, sched.name
+    assert schedules.get(sched.name).pairs(same) is not work, sched.name
 
 
 def test_thousands_of_ranks_estimate_from_closed_forms():

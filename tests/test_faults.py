@@ -19,11 +19,11 @@ import torch
 
 from cpattn import distributed
 from cpattn.api import _local_topology
+from cpattn.core.topology import Link, RatePoint, Topology
 from cpattn.cost import presets, profile
 from cpattn.launcher import LocalWorld, RankError, WorldError, free_port
 from cpattn.planner import PlanOptions, PlanVersionError, get_plan, load_plan, request, save_plan
 from cpattn.planner.model import SCHEMA_VERSION
-from cpattn.topology import Link, RatePoint, Topology
 
 FAST = PlanOptions(time_budget=1.0, partition_time_limit=0.5, schedule_time_limit=0.5)
 #: what a corrupt file may hold: cut short, empty, not text, JSON of the wrong shape, a broken field

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from cpattn import kernels, kernels_cuda
 from cpattn.masks import BlockKind
+
+from cpattn import kernels
+from cpattn.core import kernels_cuda
 
 FULL, CAUSAL, PARTIAL, EMPTY = BlockKind.FULL, BlockKind.CAUSAL, BlockKind.PARTIAL, BlockKind.EMPTY
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64

@@ -1,4 +1,5 @@
-"""One-way layering (docs/architecture.md): core -> schedules -> model (cost, planner) -> tools. The
+"""One-way layering (docs/architecture.md): core (``cpattn/core``) -> schedules -> model (``cost``,
+``planner``) -> tools (the rest) -> lab (``cpattn/lab``: only the commands that run it import it). The
 package's imports are read from its source, so an import inside a function counts too."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cpattn"
-CORE = {"masks", "layout", "blocks", "kernels", "kernels_cuda", "merge", "comm", "trace", "topology", "steps", "pairs",
-        "executor", "simulator"}
-LAYERS = {"core": 1, "schedules": 2, "model": 3, "tools": 4}
+LAYERS = {"core": 1, "schedules": 2, "model": 3, "tools": 4, "lab": 5}
+#: tool modules that may import the lab: the commands that run it (and the command table)
+LAB_USERS = ("cpattn.cli", "cpattn.cli.__main__", "cpattn.cli.calibrate", "cpattn.cli.reproduce")
 
 
 def layer_of(module: str) -> int:
@@ -22,13 +23,13 @@ def layer_of(module: str) -> int:
     if len(parts) == 1:
         return LAYERS["tools"]  # the package root re-exports the front door
     top = parts[1]
-    if top in CORE:
-        return LAYERS["core"]
-    if top == "schedules":
-        return LAYERS["schedules"]
+    if top in ("core", "schedules", "lab"):
+        return LAYERS[top]
     if top in ("cost", "planner"):
         return LAYERS["model"]
-    return LAYERS["tools"]  # api, bench, verify, calibrate, cli, launcher, ...
+    if module in LAB_USERS:
+        return LAYERS["lab"]
+    return LAYERS["tools"]  # api, bench, verify, cli, launcher, models, integrations, ...
 
 
 def _module_name(path: Path) -> str:
@@ -120,12 +121,31 @@ def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):
     assert len(bad) == 2 and all("cpattn.schedules.bad (layer 2)" in b for b in bad), bad
 
 
-@pytest.mark.parametrize("module,layer", [("cpattn.comm", 1), ("cpattn.steps", 1), ("cpattn.schedules.ring", 2),
-                                          ("cpattn.cost.estimate", 3), ("cpattn.planner.build", 3),
-                                          ("cpattn.api", 4), ("cpattn.cli.plan", 4), ("cpattn.distributed", 4),
-                                          ("cpattn", 4)])
+@pytest.mark.parametrize("module,layer", [("cpattn.core.comm", 1), ("cpattn.core.steps", 1),
+                                          ("cpattn.schedules.ring", 2), ("cpattn.cost.estimate", 3),
+                                          ("cpattn.planner.build", 3), ("cpattn.api", 4), ("cpattn.cli.plan", 4),
+                                          ("cpattn.distributed", 4), ("cpattn", 4), ("cpattn.lab.calibrate", 5),
+                                          ("cpattn.cli.reproduce", 5)])
 def test_layer_names(module, layer):
     assert layer_of(module) == layer
+
+
+def test_core_modules_live_in_the_core_folder():
+    """Every module of the core layer is in ``cpattn/core`` and the package root holds no core module."""
+    root_modules = {p.stem for p in PACKAGE.glob("*.py")}
+    core = {p.stem for p in (PACKAGE / "core").glob("*.py")} - {"__init__"}
+    assert {"masks", "layout", "kernels", "comm", "steps", "executor", "merge"} <= core
+    assert not root_modules & core, sorted(root_modules & core)
+
+
+def test_public_short_paths_are_the_core_modules():
+    """``cpattn.masks`` (and layout, kernels, merge) is the core module itself, not a second copy."""
+    from cpattn.masks import causal
+
+    import cpattn
+    import cpattn.core.masks
+
+    assert cpattn.masks is cpattn.core.masks and causal is cpattn.core.masks.causal
 
 
 def test_import_cpattn_is_cheap():

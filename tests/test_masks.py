@@ -10,13 +10,14 @@ import random
 import fuzz_workers
 import pytest
 import torch
+from cpattn.masks import BlockKind, _kind_of_dense
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cpattn import blocks, layout, masks, schedules, verify
-from cpattn.masks import BlockKind, _kind_of_dense
+from cpattn import layout, masks, schedules, verify
+from cpattn.core import blocks
+from cpattn.core.steps import Problem
 from cpattn.schedules.stripe_ring import striped_blocks
-from cpattn.steps import Problem
 
 #: combinations of masks (their spec lists the masks they combine); every other kind is a simple mask
 COMPOSITES = ("and", "or")
@@ -257,9 +258,9 @@ def test_striped_pairs_of_a_shift_invariant_mask_are_shared_by_rank_offset(mask)
     """Under a mask that depends on q - k alone, the striped work of (q_rank, kv_rank) is that of any
     pair at the same offset: ``StripedPairs`` classifies 2P - 1 pairs and gives every pair exactly what
     classifying it on its own gives."""
-    from cpattn.pairs import work
+    from cpattn.core.pairs import work
+    from cpattn.core.steps import Kernel
     from cpattn.schedules.stripe_ring import StripedPairs
-    from cpattn.steps import Kernel
 
     assert mask.shift_invariant and not masks.document([128, 128]).shift_invariant
     world, seq = 4, 256

@@ -11,12 +11,13 @@ import random
 
 import pytest
 import torch
+from cpattn.masks import BlockKind, Mask
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpattn import ContextParallel, blocks, kernels, layout, masks
-from cpattn.comm import Communicator
-from cpattn.masks import BlockKind, Mask
+from cpattn import ContextParallel, kernels, layout, masks
+from cpattn.core import blocks
+from cpattn.core.comm import Communicator
 from cpattn.schedules.base import Runtime, attend, attend_backward, new_accumulators
 
 

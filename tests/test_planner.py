@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from cpattn import cli, masks
+from cpattn.core.steps import Kernel as CostKernel
 from cpattn.cost import Problem, Topology, simulate
 from cpattn.planner import PlanOptions, build_plan, get_plan, load_plan, request, save_plan, validate
 from cpattn.planner import block_table as bt
@@ -33,7 +34,6 @@ from cpattn.planner.pricing import Pricing
 from cpattn.planner.schedule_ilp import schedule
 from cpattn.planner.tiling import allocate, fuse, fuse_all, owners
 from cpattn.schedules.ultra import Sizes
-from cpattn.steps import Kernel as CostKernel
 
 FAST = PlanOptions(time_budget=1.0, partition_time_limit=0.5, schedule_time_limit=0.5)
 
@@ -365,7 +365,6 @@ def test_permuted_table_equals_the_mask_read_in_the_ranks_order(spec):
     """Permuting a block table piecewise agrees with classifying, pair by pair, the mask over the
     reordered sequence (an independent path: a mask_mod on gathered positions, classified densely)."""
     import torch
-
     from cpattn.layout import Layout, from_pieces, pieces
 
     base, seq, world = masks.resolve(spec), 64, 4

@@ -1,5 +1,5 @@
 """``cpattn reproduce ringx`` / ``ultraattn`` at their smallest settings, and the pure pieces behind them
-(``cpattn.cost.reproduce``): the variant lists, the patterns, and the bandwidth search that explains
+(``cpattn.lab.reproduce``): the variant lists, the patterns, and the bandwidth search that explains
 a speedup."""
 
 from __future__ import annotations
@@ -8,25 +8,21 @@ import json
 from dataclasses import replace
 
 import pytest
+from cpattn.masks import resolve
 
 from cpattn import cli
 from cpattn.cost import estimate
-from cpattn.cost import reproduce as r
-from cpattn.masks import resolve
+from cpattn.lab import reproduce as r
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch):
-    """Run in ``tmp_path`` with a private plan cache, and no plan remembered in this process (another
-    test may have estimated the same problem)."""
-    import importlib
-
-    estimate_module = importlib.import_module("cpattn.cost.estimate")  # the package's name is the function
+    """Run in ``tmp_path`` with a private plan cache (estimates remember nothing between commands:
+    ``cpattn.core.memo``)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CPATTN_CACHE_DIR", str(tmp_path / "plans"))
-    estimate_module._planned_cached.cache_clear()
     return tmp_path
 
 

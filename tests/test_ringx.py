@@ -11,10 +11,10 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn import verify
-from cpattn.comm import Communicator
+from cpattn.core.comm import Communicator
+from cpattn.core.steps import Problem
 from cpattn.cost import Topology
 from cpattn.launcher import RankError
-from cpattn.steps import Problem
 
 VARIANTS = ["ringx1", "ringx1o", "ringx2", "ringx2o", "ringx3", "ringx3b", "ringx4", "ringx4o"]
 BIDIRECTIONAL_ONLY = ["ringx1", "ringx1o", "ringx3b"]

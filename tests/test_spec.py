@@ -1,6 +1,6 @@
 """Every registered schedule's run against its own description, ``steps()`` (``ultra``: its plan).
 
-With ``cpattn.trace.recording()`` the communicator records each call's issue and wait with its bytes,
+With ``cpattn.core.trace.recording()`` the communicator records each call's issue and wait with its bytes,
 and the kernels each call; ``cpattn.verify`` compares that with the steps: the same messages (kind and
 bytes on every rank), issued in step order, and every transfer that a step declares in flight during
 its compute is issued before and waited after a kernel call on each rank that computes in the step.
@@ -15,8 +15,8 @@ import dataclasses
 import pytest
 
 from cpattn import schedules, verify
+from cpattn.core.steps import CommOp, Kernel, Step, work
 from cpattn.launcher import RankError
-from cpattn.steps import CommOp, Kernel, Step, work
 
 #: ultra plans with small solver budgets in tests (the plans are still exact)
 FAST_PLANS = {"plan_options": {"time_budget": 1.0, "partition_time_limit": 0.3, "schedule_time_limit": 0.3}}
@@ -55,7 +55,8 @@ def _local_first_cases() -> list[verify.Case]:
     rank's tokens, short documents), where every rank computes its diagonal before the shared steps."""
     from cpattn.layout import Layout
     from cpattn.masks import from_spec
-    from cpattn.pairs import pair_work
+
+    from cpattn.core.pairs import pair_work
 
     cases = []
     specs = [("sliding_window", {"window": 5}), ("sliding_window", {"window": 4, "causal": False}),
@@ -89,7 +90,7 @@ def test_run_matches_steps_when_diagonals_go_first(worlds, case):
 def serialised_ring_case(**fields) -> dict:
     """On every rank: ``verify.rank_case`` with the executor changed to wait for each transfer as soon
     as it is issued, before the step's compute (exact, same bytes, nothing overlapped)."""
-    from cpattn import executor
+    from cpattn.core import executor
 
     original = executor._issue
 

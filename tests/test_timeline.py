@@ -1,4 +1,4 @@
-"""Measured timelines (cpattn.trace.timeline, cpattn.timeline, `cpattn bench --trace`): stamps leave the
+"""Measured timelines (cpattn.core.trace.timeline, cpattn.timeline, `cpattn bench --trace`): stamps leave the
 recordings unchanged, spans and lanes, the hidden transfer fraction on hand-made timelines, and the
 Chrome trace of a real run and of the command line."""
 
@@ -10,10 +10,11 @@ import math
 import pytest
 import timeline_workers
 import torch
-
-from cpattn import cli, kernels, timeline, trace
-from cpattn.launcher import RankError
 from cpattn.masks import BlockKind
+
+from cpattn import cli, kernels, timeline
+from cpattn.core import trace
+from cpattn.launcher import RankError
 
 
 def _recorded(transfers=(), kernels_=(), marks=(), name: str = "sendrecv") -> dict:

@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 
 from cpattn import cli, cost
+from cpattn.core.steps import CommOp
+from cpattn.core.topology import Link, Topology
 from cpattn.cost import collectives, presets
 from cpattn.cost.presets import MATMUL_EFFICIENCY, MATMUL_PEAK, preset
 from cpattn.cost.training import BACKWARD_SHARE, DecoderShape, dp_group, step_estimate
 from cpattn.models import flops
 from cpattn.models.llama import LLAMA_CONFIGS
-from cpattn.steps import CommOp
-from cpattn.topology import Link, Topology
 
 CONF = LLAMA_CONFIGS["llama3-8b"]
 SHAPE = DecoderShape(CONF.layers, CONF.heads, CONF.kv_heads, CONF.head_dim, flops.matmul_param_count(CONF),

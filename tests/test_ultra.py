@@ -33,7 +33,7 @@ def _ultra():
 def plan_received(seq: int, mask: dict, topology: tuple[int, int]) -> dict:
     """The plan this rank runs for the problem (q: 4 heads, k: 2, head dim 8, float32), as a dict."""
     import cpattn
-    from cpattn.topology import Topology
+    from cpattn.core.topology import Topology
 
     cp = cpattn.ContextParallel(seq, mask, _ultra(), topology=Topology(*topology), layout="contiguous")
     q = torch.zeros(1, cp.local_len, 4, 8)
@@ -44,7 +44,7 @@ def fitted_layout_run(seq: int, mask: dict, topology: tuple[int, int] | None) ->
     """This rank's layout name and bytes sent in one forward + backward of ``ultra`` with the layout it
     picks itself."""
     import cpattn
-    from cpattn.topology import Topology
+    from cpattn.core.topology import Topology
 
     cp = cpattn.ContextParallel(seq, mask, _ultra(), topology=None if topology is None else Topology(*topology))
     q, k, v = (torch.randn(1, cp.local_len, h, 8, requires_grad=True) for h in (4, 2, 2))
@@ -116,8 +116,8 @@ def test_every_rank_runs_the_plan_of_its_problem(ultra_worlds):
     """Each rank's plan equals one built here, independently, from the same inputs (the planner is
     deterministic): rank 0 planned the right problem and every rank received it whole. A plan text that
     arrives cut short or altered is rejected, not run."""
+    from cpattn.core.topology import Topology
     from cpattn.planner import Plan, PlanOptions, build_plan, request
-    from cpattn.topology import Topology
 
     mask = {"kind": "strided", "block_size": 8, "stride": 3}
     got = ultra_worlds.get(4).run(plan_received, seq=128, mask=mask, topology=(2, 2))

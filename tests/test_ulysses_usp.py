@@ -11,11 +11,11 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn import verify
+from cpattn.core.steps import Problem
 from cpattn.cost import Topology
 from cpattn.launcher import RankError
 from cpattn.schedules.ulysses import UlyssesSchedule, kv_plan
 from cpattn.schedules.usp import USPSchedule
-from cpattn.steps import Problem
 
 KINDS = ["causal", "full", "sliding_window", "document", "strided", "global_local", "star", "streaming",
          "block_table", ("and", {"masks": [{"kind": "document", "lengths": [13, 1, 20, 14]},

@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
+from cpattn.masks import BlockKind
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpattn import blocks, kernels, layout, masks, merge
-from cpattn.masks import BlockKind
+from cpattn import kernels, layout, masks, merge
+from cpattn.core import blocks
 
 
 # ------------------------------------------------------------------ masks

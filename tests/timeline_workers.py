@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn import trace
+from cpattn.core import trace
 
 
 def ring_step(schedule: str = "ring", seq: int = 64) -> dict:

@@ -133,8 +133,9 @@ def api_roundtrip(schedule: str) -> dict:
 def distributed_merge_check(owner: int) -> dict:
     """Keys split over the ranks; each rank attends to its share; merge onto ``owner``. Rank 1 (if
     any) sees no key at all for the first query rows (lse -inf) to exercise the empty case."""
-    from cpattn.comm import Communicator
     from cpattn.merge import distributed_merge
+
+    from cpattn.core.comm import Communicator
 
     comm = Communicator()
     p, r = comm.world_size, comm.rank

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from ..core import memo
 from . import bench, calibrate, plan, reproduce, schedules, simulate, train, verify
 
 #: the commands, in the order ``cpattn --help`` lists them
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     try:
-        return args.func(args)
+        with memo.scope():  # what the command's estimates and plans compute is remembered while it runs
+            return args.func(args)
     except ValueError as exc:
         from rich.markup import escape
 

@@ -20,8 +20,8 @@ _SHAPE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 # ----------------------------------------------------------------------------------- collectives
 def algorithm(text: str) -> str:
-    """``type=`` for ``--algorithm``: a collective algorithm spec (``cpattn.topology.parse_algorithm``)."""
-    from ..topology import parse_algorithm
+    """``type=`` for ``--algorithm``: a collective algorithm spec (``cpattn.core.topology.parse_algorithm``)."""
+    from ..core.topology import parse_algorithm
 
     try:
         parse_algorithm(text)
@@ -95,13 +95,13 @@ class TopologyArg:
         return self.text
 
     def build(self, world: int, profile=None):
-        """The :class:`~cpattn.topology.Topology` of ``world`` devices: generic figures for ``NxD``, the
+        """The :class:`~cpattn.core.topology.Topology` of ``world`` devices: generic figures for ``NxD``, the
         preset's otherwise (``local``: ``profile``, else the default calibration profile)."""
         if self.nodes is None:
             from ..cost.presets import preset
 
             return preset(self.preset, world, profile)
-        from ..topology import Topology
+        from ..core.topology import Topology
 
         if world != self.devices:
             raise ValueError(f"--topology {self.text} has {self.devices} devices, not {world}")
@@ -151,7 +151,7 @@ def device_counts(topology: TopologyArg | None, given: list[int] | None, default
 # ----------------------------------------------------------------------------------- dtypes, profiles
 def dtypes(*, float64: bool = False) -> list[str]:
     """``choices=`` for ``--dtype``: the names of ``cpattn.kernels.DTYPES`` (float64 only when asked)."""
-    from ..kernels import DTYPES
+    from ..core.kernels import DTYPES
 
     return [name for name in DTYPES if float64 or name != "float64"]
 

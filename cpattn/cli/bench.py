@@ -54,7 +54,7 @@ def supporting(names: list[str] | None, mask_spec, layout: str | None = None) ->
     """``names``, each checked (it exists, runs the mask and accepts ``layout``; a ValueError otherwise),
     or every registered schedule that runs ``mask_spec`` and accepts ``layout``."""
     from .. import schedules
-    from ..masks import resolve
+    from ..core.masks import resolve
 
     mask = resolve(mask_spec)
     if names:
@@ -85,7 +85,7 @@ def configs(args) -> list[tuple]:
     import itertools
 
     from .. import bench
-    from ..masks import resolve
+    from ..core.masks import resolve
 
     for mask in args.mask:
         resolve(mask)  # a clear error for a bad name or spec

@@ -21,8 +21,8 @@ def run(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .. import calibrate
     from ..cost import profile
+    from ..lab import calibrate
 
     settings = calibrate.QUICK if args.quick else calibrate.Settings()
     with Progress(TextColumn("calibrate: {task.description}"), BarColumn(), TimeElapsedColumn(), console=stderr(),

@@ -47,9 +47,9 @@ def run(args) -> int:
     from rich.table import Table
 
     from .. import planner
-    from ..masks import resolve
+    from ..core.masks import resolve
+    from ..core.steps import DTYPE_BYTES
     from ..planner import plot
-    from ..steps import DTYPE_BYTES
 
     (gpus,) = a.device_counts(args.topology, None if args.gpus is None else [args.gpus], [DEFAULT_GPUS], "--gpus")
     topology = args.topology.build(gpus)

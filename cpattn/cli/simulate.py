@@ -60,7 +60,7 @@ def algorithm_choice(given: str | None) -> str | None:
     calibrated ones)."""
     import os
 
-    from ..topology import parse_algorithm
+    from ..core.topology import parse_algorithm
 
     if given is not None:
         return given
@@ -84,8 +84,8 @@ def run(args) -> int:
     from rich.table import Table
 
     from .. import cost, schedules
-    from ..masks import resolve
-    from ..steps import split_phase
+    from ..core.masks import resolve
+    from ..core.steps import split_phase
 
     if args.model is not None:
         return run_model(args)
@@ -178,9 +178,9 @@ def run_model(args) -> int:
     from rich.table import Table
 
     from .. import cost, schedules
+    from ..core.masks import resolve
     from ..cost.presets import DEFAULT_MATMUL_EFFICIENCY, MATMUL_EFFICIENCY, MATMUL_PEAK
     from ..cost.training import DecoderShape, dp_group, step_estimate
-    from ..masks import resolve
     from ..models import flops
     from ..models.llama import LLAMA_CONFIGS
 

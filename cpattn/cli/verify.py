@@ -26,7 +26,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _matrix_mask(spec: str | dict):
     """A ``--masks`` item as ``verify.matrix`` takes it: a kind name, or ``(kind, arguments)``."""
-    from ..masks import KINDS
+    from ..core.masks import KINDS
 
     kind = spec if isinstance(spec, str) else spec.get("kind") if isinstance(spec, dict) else None
     if kind not in KINDS:
@@ -55,7 +55,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from .. import verify
-    from ..comm import POISON_ENV
+    from ..core.comm import POISON_ENV
     from ..launcher import LocalWorld
 
     todo = cases(args)

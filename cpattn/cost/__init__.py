@@ -5,14 +5,14 @@ topology)`` predicts one schedule from its own ``steps`` declaration (``ultra``:
 ``rank_schedules`` / ``choose`` power ``schedule="auto"``; ``simulate`` runs UltraAttn-style task
 graphs on per-device lanes; ``presets.preset(name, world)`` builds Frontier, DGX H100, DGX A100 or
 the calibrated ``local`` machine. Problems, steps, topologies and devices are core data
-(``cpattn.steps``, ``cpattn.topology``), re-exported here; calibration, which runs processes, is a tool
-(``cpattn.calibrate``).
+(``cpattn.core.steps``, ``cpattn.core.topology``), re-exported here; calibration, which runs processes, is a tool
+(``cpattn.lab.calibrate``).
 """
 
-from ..pairs import PairWork, pair_work
-from ..simulator import Task, Timeline, lane, simulate, transfer
-from ..steps import CommOp, Kernel, Problem, Step, Work, distribution, work
-from ..topology import Device, Link, RatePoint, Topology
+from ..core.pairs import PairWork, pair_work
+from ..core.simulator import Task, Timeline, lane, simulate, transfer
+from ..core.steps import CommOp, Kernel, Problem, Step, Work, distribution, work
+from ..core.topology import Device, Link, RatePoint, Topology
 from . import presets
 from .collectives import op_time
 from .estimate import (

@@ -49,9 +49,9 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from .. import steps
-from ..steps import CommOp
-from ..topology import ALGORITHM_OPS, Link, Topology
+from ..core import steps
+from ..core.steps import CommOp
+from ..core.topology import ALGORITHM_OPS, Link, Topology
 
 #: the one algorithm of the ops without a choice
 FIXED_ALGORITHMS = {"all_gather": "ring", "reduce_scatter": "ring", "all_to_all": "pairwise", "sendrecv": "p2p"}
@@ -113,7 +113,7 @@ def _all_to_all(op: CommOp, topo: Topology, g: int) -> float:
 
 def op_times(op: CommOp, topo: Topology) -> tuple[float, float]:
     """``(in flight, at the wait)``: seconds of ``op`` that run asynchronously (and may overlap compute)
-    and seconds that run only when it is waited for. A hierarchical collective (``cpattn.comm``) keeps
+    and seconds that run only when it is waited for. A hierarchical collective (``cpattn.core.comm``) keeps
     only its first level in flight (all-gather: the rail level; reduce-scatter: the node level) and runs
     the second inside ``wait()``; every other op is entirely in flight."""
     if op.hierarchical and op.group == "world" and topo.nodes > 1 and topo.devices_per_node > 1:

@@ -12,8 +12,8 @@ The schedule declares its steps (``Schedule.steps``); each step is timed by its 
 
 with ``overlap`` the topology's hidden fraction (1 on GPUs). The call takes the sum of its steps'
 durations (steps are separated by waits, so the slowest rank sets the pace of each). Traffic is the
-busiest rank's payload (``cpattn.comm`` units) from the steps' ops, and the busiest rank's wire bytes
-(``cpattn.steps.wire``: what it sends, forwarding included, under the algorithm
+busiest rank's payload (``cpattn.core.comm`` units) from the steps' ops, and the busiest rank's wire bytes
+(``cpattn.core.steps.wire``: what it sends, forwarding included, under the algorithm
 ``collectives.algorithm`` resolves for each op); memory is the resident inputs and outputs plus the
 largest ``live_bytes`` of any step.
 
@@ -26,17 +26,17 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 
 from .. import planner, schedules
-from ..kernels import DTYPES
-from ..masks import CausalMask, FullMask, Mask
+from ..core import memo
+from ..core.kernels import DTYPES
+from ..core.masks import CausalMask, FullMask, Mask
+from ..core.steps import CommOp, Problem, Step, split_phase, wire
+from ..core.topology import Topology
 from ..schedules.base import Schedule
-from ..steps import CommOp, Problem, Step, split_phase, wire
-from ..topology import Topology
 from .collectives import algorithm, group_size, op_times
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,10 @@ log = logging.getLogger(__name__)
 class Estimate:
     """Prediction for one call. ``total``, ``compute``, ``comm``, ``exposed_comm``: seconds (compute and
     comm summed over steps on the busiest rank; exposed_comm = total - compute, the part of comm not
-    hidden). ``bytes_per_rank``: payload bytes sent by the busiest rank (``cpattn.comm`` accounting).
+    hidden). ``bytes_per_rank``: payload bytes sent by the busiest rank (``cpattn.core.comm`` accounting).
     ``peak_memory``: bytes per rank. ``flops``: attention FLOPs of the whole problem (allowed pairs
     only). ``wire_bytes_per_rank``: bytes the busiest rank sends on the wire, forwarding for others
-    included, under the topology's collective algorithms (``cpattn.steps.wire``): the payload for
+    included, under the topology's collective algorithms (``cpattn.core.steps.wire``): the payload for
     point-to-point traffic, all-gathers, reduce-scatters and reduces, more where broadcasts are
     forwarded; a tree all-reduce sends about 2 N per rank where the ring sends 2 (P-1) N / P."""
 
@@ -127,10 +127,8 @@ def _busy(ops, kinds: tuple[str, ...]) -> float:
 def _planned(sched: Schedule, problem: Problem, topology: Topology, phase: str) -> Estimate:
     """A planned schedule's estimate: its plan for ``problem`` on ``topology`` with its options, on the
     owner map it would choose (planned, or read from the plan cache; the planner is deterministic)."""
-    try:
-        return _planned_cached(sched, problem, topology, phase)
-    except TypeError:  # an unhashable mask
-        return _planned_uncached(sched, problem, topology, phase)
+    return memo.cached(("planned estimate", sched, problem, topology, phase),
+                       lambda: _planned_uncached(sched, problem, topology, phase))
 
 
 def _planned_uncached(sched: Schedule, problem: Problem, topology: Topology, phase: str) -> Estimate:
@@ -141,8 +139,6 @@ def _planned_uncached(sched: Schedule, problem: Problem, topology: Topology, pha
                           problem.head_dim, problem.dtype, options, problem.seq_len, order)
     return plan_estimate(planner.get_plan(req), problem, phase, sched.name)
 
-
-_planned_cached = lru_cache(maxsize=64)(_planned_uncached)
 
 
 
@@ -156,7 +152,7 @@ def resident_bytes(problem: Problem, phase: str) -> int:
 
 
 def busiest_bytes_sent(steps: list[Step], topology: Topology) -> int:
-    """Bytes sent by the rank that sends most over ``steps`` (``cpattn.comm`` accounting)."""
+    """Bytes sent by the rank that sends most over ``steps`` (``cpattn.core.comm`` accounting)."""
     base = 0
     extra: dict[int, int] = defaultdict(int)
     for st in steps:
@@ -174,7 +170,7 @@ def busiest_bytes_sent(steps: list[Step], topology: Topology) -> int:
 
 def busiest_wire_sent(steps: list[Step], topology: Topology) -> int:
     """Bytes sent on the wire by the rank that sends most over ``steps``: each op counted per rank by
-    ``cpattn.steps.wire`` under the algorithm the cost model resolves for it on ``topology``."""
+    ``cpattn.core.steps.wire`` under the algorithm the cost model resolves for it on ``topology``."""
     per_rank = np.zeros(topology.world, dtype=np.int64)
     for st in steps:
         for op in st.comm:
@@ -195,15 +191,18 @@ def wire_by_rank(op: CommOp, topology: Topology) -> np.ndarray:
     return by_group_rank
 
 
-@lru_cache(maxsize=1024)
 def _wire_from_root_0(kinds: tuple[str, ...], nbytes: int, size: int, algo: str) -> np.ndarray:
     """Wire bytes of group ranks ``0 .. size-1`` for one op of ``kinds`` with root 0 (rolled by the
-    caller to any other root: every algorithm here is relative to the root). Read-only."""
-    out = np.array([sum(wire(k, nbytes, size, r, 0, algo) for k in kinds) for r in range(size)], dtype=np.int64)
-    out.flags.writeable = False
-    return out
+    caller to any other root: every algorithm here is relative to the root); read-only, kept in the
+    active ``cpattn.core.memo`` scope."""
+    def build() -> np.ndarray:
+        out = np.array([sum(wire(k, nbytes, size, r, 0, algo) for k in kinds) for r in range(size)], dtype=np.int64)
+        out.flags.writeable = False
+        return out
+    return memo.cached(("wire from root 0", kinds, nbytes, size, algo), build)
 
 
+@memo.scoped
 def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
              phase: str = "forward+backward") -> Estimate:
     """Predict ``schedule`` (a name or a Schedule) on ``problem`` over ``topology`` for ``phase``
@@ -214,7 +213,7 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
     if not estimable(sched):
         raise NotImplementedError(
             f"schedule {sched.name!r} does not implement steps(problem, phase, topology), so the cost model cannot "
-            "estimate it; see cpattn.steps for what a schedule must declare")
+            "estimate it; see cpattn.core.steps for what a schedule must declare")
     if topology.world != problem.world:
         raise ValueError(f"topology has {topology.world} ranks ({topology.nodes} x {topology.devices_per_node}) "
                          f"but the problem has world={problem.world}")
@@ -289,6 +288,7 @@ def check_supports(schedule: Schedule | str, problem: Problem) -> None:
         raise NotImplementedError(f"schedule {sched.name!r} does not implement steps(problem, phase, topology)")
 
 
+@memo.scoped
 def rank_schedules(problem: Problem, topology: Topology, names: list[str] | None = None,
                    phase: str = "forward+backward") -> list[tuple[str, Estimate | str]]:
     """Every candidate (default: :func:`default_candidates` of the problem's mask, in registry order)
@@ -312,6 +312,7 @@ def rank_schedules(problem: Problem, topology: Topology, names: list[str] | None
     return [*feasible, *excluded]
 
 
+@memo.scoped
 def choose(problem: Problem, topology: Topology, names: list[str] | None = None,
            nominal_shape: bool = False) -> tuple[str, str]:
     """``(name, why)`` of the fastest feasible schedule for ``problem`` (forward + backward).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from ..topology import Device, Link, Topology
+from ..core.topology import Device, Link, Topology
 from .profile import Profile, load_default
 
 # --- Frontier (OLCF): 4 AMD MI250X per node = 8 GCDs; 4 HPE Slingshot-11 NICs, one per MI250X.

@@ -19,8 +19,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..steps import COMM_OPS, PHASES
-from ..topology import KINDS, Link, RatePoint
+from ..core.steps import COMM_OPS, PHASES
+from ..core.topology import KINDS, Link, RatePoint
 
 SCHEMA = "cpattn-profile"
 VERSION = 1

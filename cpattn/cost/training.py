@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..masks import Mask, resolve
-from ..steps import CommOp, Problem
-from ..topology import Link, Topology
+from ..core.masks import Mask, resolve
+from ..core.steps import CommOp, Problem
+from ..core.topology import Link, Topology
 from .collectives import op_time
 from .estimate import estimate
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..api import ContextParallel
-from ..masks import AndMask, DocumentMask, Mask, SlidingWindowMask
+from ..core.masks import AndMask, DocumentMask, Mask, SlidingWindowMask
 
 #: the ``attn_implementation`` name this module registers
 NAME = "cpattn"

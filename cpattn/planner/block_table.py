@@ -11,12 +11,12 @@ was made for (:meth:`BlockTable.digest`), whatever Python object the mask is.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from dataclasses import dataclass
 
-from ..masks import BlockKind, Mask
+from ..core import memo
+from ..core.masks import BlockKind, Mask
 
 #: integer work of a FULL cell; CAUSAL is half of it, PARTIAL its allowed fraction of it (at least 1)
 WORK_UNIT = 1000
@@ -142,18 +142,11 @@ def build(mask: Mask, seq_len: int, n: int, valid_len: int | None = None) -> Blo
     return BlockTable(n, c, tuple(kinds), tuple(areas))
 
 
-@functools.lru_cache(maxsize=16)
-def _build_memo(mask: Mask, seq_len: int, n: int, valid_len: int | None) -> BlockTable:
-    return build(mask, seq_len, n, valid_len)
-
-
 def build_cached(mask: Mask, seq_len: int, n: int, valid_len: int | None = None) -> BlockTable:
-    """:func:`build`, remembered for the last few problems (choosing an owner map and resolving a plan
-    request classify the same table; tables are immutable). Masks that cannot be hashed are built anew."""
-    try:
-        return _build_memo(mask, seq_len, n, seq_len if valid_len is None else valid_len)
-    except TypeError:  # an unhashable mask
-        return build(mask, seq_len, n, valid_len)
+    """:func:`build`, kept in the active ``cpattn.core.memo`` scope (choosing an owner map and resolving
+    a plan request classify the same table; tables are immutable)."""
+    valid = seq_len if valid_len is None else valid_len
+    return memo.cached(("block table", mask, seq_len, n, valid), lambda: build(mask, seq_len, n, valid))
 
 
 def permute(table: BlockTable, order: tuple[int, ...]) -> BlockTable:

@@ -29,12 +29,12 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from ..layout import check_order
-from ..masks import Mask, resolve
+from ..core.layout import check_order
+from ..core.masks import Mask, resolve
+from ..core.simulator import Timeline, simulate
+from ..core.steps import DTYPE_BYTES, Problem
+from ..core.topology import Topology
 from ..schedules.ultra import Sizes
-from ..simulator import Timeline, simulate
-from ..steps import DTYPE_BYTES, Problem
-from ..topology import Topology
 from . import block_table as bt
 from .block_table import BlockTable
 from .kernel_graph import OUTPUTS, PHASES, KernelGraph

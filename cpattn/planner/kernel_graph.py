@@ -1,6 +1,6 @@
 """The kernel graph of one phase (docs/ultraattn.md, "Routing" and "Schedule"): compute kernels,
 transfers of chunks between devices, merges of partial results, and the dependencies between them,
-as :class:`cpattn.simulator.Task` so the cost model times and simulates it.
+as :class:`cpattn.core.simulator.Task` so the cost model times and simulates it.
 
 Items that travel (one message each, ``chunk`` tokens of one chunk) and their sizes are the
 executor's table, :data:`cpattn.schedules.ultra.ITEMS`: q, kv (packed), o (partial output and lse),
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..core.simulator import Task, compute, transfer
+from ..core.topology import Topology
 from ..schedules.ultra import ITEMS, Sizes
-from ..simulator import Task, compute, transfer
-from ..topology import Topology
 from .block_table import BlockTable
 from .pricing import Pricing
 from .tiling import Kernel

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from ..layout import source_ranges
+from ..core.layout import source_ranges
 from ..schedules.ultra import Sizes
 from .block_table import BlockTable
 from .kernel_graph import PHASES, Transfer
@@ -139,7 +139,7 @@ class Plan:
         return Sizes(batch, self.table.chunk, heads, kv_heads, head_dim, elem, acc_elem)
 
     def volume(self, rank: int, sizes: Sizes) -> dict[str, dict[str, dict[str, int]]]:
-        """Analytic bytes and calls per op on ``rank`` (``cpattn.comm`` units): one send per transfer
+        """Analytic bytes and calls per op on ``rank`` (``cpattn.core.comm`` units): one send per transfer
         leaving it, one recv per transfer arriving, for each phase."""
         out: dict[str, dict[str, dict[str, int]]] = {}
         for name in PHASES:

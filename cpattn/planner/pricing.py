@@ -1,9 +1,9 @@
 """Seconds of the planner's kernels under the cost model, priced as the executor runs them (pure).
 
 A FULL or CAUSAL kernel is one call over its rows x columns. A PARTIAL kernel (always one cell) runs
-the mask's own cover of the cell (``cpattn.schedules.ultra``: :func:`cpattn.blocks.rectangles` over
+the mask's own cover of the cell (``cpattn.schedules.ultra``: :func:`cpattn.core.blocks.rectangles` over
 the cell's original token ranges), its equal-shaped pieces stacked into one call per
-:func:`cpattn.blocks.batches` batch. So it is priced as that cover: every piece at its own kind and
+:func:`cpattn.core.blocks.batches` batch. So it is priced as that cover: every piece at its own kind and
 shape, one launch per batch. Pricing the cell as one dense masked rectangle instead overstated a
 cell of many short documents or a narrow window band several times over. A mask without a cover of
 its own (``mask_mod``, ``&`` / ``|``) keeps that one-rectangle price: its cells run as dense masked
@@ -12,12 +12,12 @@ tiles, and classifying them would cost the planner as much as the block table it
 
 from __future__ import annotations
 
-from .. import blocks
-from ..layout import source_ranges
-from ..masks import Mask
-from ..steps import Kernel as CostKernel
-from ..steps import Problem
-from ..topology import Device
+from ..core import blocks
+from ..core.layout import source_ranges
+from ..core.masks import Mask
+from ..core.steps import Kernel as CostKernel
+from ..core.steps import Problem
+from ..core.topology import Device
 from .block_table import BlockTable
 
 

@@ -1,10 +1,10 @@
 """Scheduling a kernel graph (docs/ultraattn.md, "Schedule"): start times that minimise the
 makespan with no overlap on any lane, and the per-device issue order that follows from them.
 
-Two schedulers, both over the cost model's tasks (:class:`cpattn.simulator.Task`):
+Two schedulers, both over the cost model's tasks (:class:`cpattn.core.simulator.Task`):
 
 - greedy list scheduling by earliest start: the cost model's event simulator
-  (:func:`cpattn.simulator.simulate`) without an order;
+  (:func:`cpattn.core.simulator.simulate`) without an order;
 - CP-SAT: one interval per task (durations rounded to integer ticks), ``start >= end`` of every
   dependency, no overlap on every lane, minimise the makespan; one worker, a fixed seed, a time
   limit, started from the greedy schedule. Its per-lane order is then replayed in the simulator, so
@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..simulator import Task, Timeline, simulate
+from ..core.simulator import Task, Timeline, simulate
 from .partition_ilp import deterministic_solver
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..topology import Topology
+from ..core.topology import Topology
 from .block_table import BlockTable
 from .partition_ilp import MessageUnits, Partition, PartitionProblem, greedy, load_bound, loads, solve, traffic
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
-from ..layout import check_order
-from ..topology import Topology
+from ..core.layout import check_order
+from ..core.topology import Topology
 from .kernel_graph import OUTPUTS, PHASES, dependencies, route
 from .model import OP_KINDS, SCHEMA_VERSION, PhasePlan, Plan
 from .tiling import owners

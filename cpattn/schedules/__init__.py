@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..masks import causal, full
+from ..core.masks import causal, full
 from .allgather import AllGather
 from .base import Schedule
 from .ring import RingSchedule

@@ -7,12 +7,12 @@ diagonal backward; per-source float32 dk/dv go into one zeroed buffer, and one r
 each rank its own. Layout: zigzag for causal masks (balanced), contiguous otherwise.
 
 Per rank: forward one all-gather ((P-1) packed kv); backward one all-gather plus one reduce-scatter of
-(P-1) float32 dk/dv. The steps are the program (``cpattn.executor`` runs them).
+(P-1) float32 dk/dv. The steps are the program (``cpattn.core.executor`` runs them).
 
 RingX X3 (``ringx3``, causal masks on the zigzag layout) and X3b (``ringx3b``, bidirectional masks on
 the contiguous layout) are this algorithm with both collectives hierarchical: with a topology of
 several nodes and several devices per node they run in two levels
-(:meth:`~cpattn.comm.Communicator.hierarchical_all_gather`: across nodes along each rail, then inside
+(:meth:`~cpattn.core.comm.Communicator.hierarchical_all_gather`: across nodes along each rail, then inside
 the node; reduce-scatter mirrored); the result and the payload per rank are the flat collective's.
 """
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..steps import OWN, Attend, AttendBack, CommOp, Problem, Step, Zeros
-from ..topology import Topology
+from ..core.steps import OWN, Attend, AttendBack, CommOp, Problem, Step, Zeros
+from ..core.topology import Topology
 from .base import Schedule
 
 

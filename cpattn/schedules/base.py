@@ -2,7 +2,7 @@
 
 A schedule is one algorithm (one file in this package). It declares its layout, which masks it
 accepts and its memory class; implements ``forward`` and ``backward`` from the kernels, the merge and
-the communicator; and describes what it does in ``steps(problem, phase, topology)`` (``cpattn.steps``),
+the communicator; and describes what it does in ``steps(problem, phase, topology)`` (``cpattn.core.steps``),
 the one description of its traffic and work: its byte counts (:meth:`Schedule.volume`) are derived
 from it here, the cost model times it, and the recording tests check the runtime against it.
 
@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 
-from .. import blocks as blocks_mod
-from ..executor import Accumulators, BoundedCache, Run, Runtime, attend, attend_backward, execute, new_accumulators
-from ..kernels import acc_dtype
-from ..masks import BlockKind, Mask
-from ..pairs import PairWork, pair_work
-from ..steps import PHASES, Problem, Step, group_size
-from ..topology import Topology
+from ..core import blocks as blocks_mod
+from ..core import memo
+from ..core.executor import Accumulators, Run, Runtime, attend, attend_backward, execute, new_accumulators
+from ..core.kernels import acc_dtype
+from ..core.masks import BlockKind, Mask
+from ..core.pairs import PairWork, pair_work
+from ..core.steps import PHASES, Problem, Step, group_size
+from ..core.topology import Topology
 
 Volume = dict[str, dict[str, dict[str, int]]]  # phase -> op -> {"calls", "bytes_sent", "bytes_recv"}
 
@@ -110,12 +111,12 @@ class Schedule:
     def forward(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``.
-        By default the executor runs :meth:`steps` (``cpattn.executor.execute``) from the roles ``q``
+        By default the executor runs :meth:`steps` (``cpattn.core.executor.execute``) from the roles ``q``
         and ``kv0`` (the local ``(k, v)``, packed into one tensor when it first travels) and the result
         is role ``out``. A schedule that runs a loop of
         its own may return a third element, a tuple of tensors that autograd keeps and hands to its
         ``backward`` as ``saved=`` (e.g. Ulysses keeps its head-split tensors)."""
-        steps = self.steps(rt.problem(q, k), "forward", rt.topology)
+        steps = self._steps(rt, q, k, "forward")
         roles = execute(rt, steps, {"q": q, "kv0": (k, v)}, partial(self.blocks_of, rt), keep=("out",))
         return roles["out"].out.to(q.dtype), roles["out"].lse
 
@@ -124,14 +125,21 @@ class Schedule:
         """Gradients ``dq, dk, dv`` in the input dtype. By default the executor runs :meth:`steps` from
         the roles ``q``, ``kv0``, ``dout``, ``out`` and ``lse``; the results are roles ``dq`` and
         ``dkv`` (packed, float32)."""
-        steps = self.steps(rt.problem(q, k), "backward", rt.topology)
+        steps = self._steps(rt, q, k, "backward")
         start = {"q": q, "kv0": (k, v), "dout": dout, "out": out, "lse": lse}
         roles = execute(rt, steps, start, partial(self.blocks_of, rt), keep=("dq", "dkv"))
         dkv = roles["dkv"]
         return roles["dq"].to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
+    def _steps(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor, phase: str) -> list[Step]:
+        """The steps of this call, kept with the runtime's cache (computed once per call signature)."""
+        problem = rt.problem(q, k)
+        with memo.scope(rt.block_cache):
+            return memo.cached(("steps", self, problem, phase, rt.topology),
+                               lambda: self.steps(problem, phase, rt.topology))
+
     def blocks_of(self, rt: Runtime, src) -> list[blocks_mod.Block] | None:
-        """The blocks an action's source ``src`` (``cpattn.steps.Attend``) names on this rank:
+        """The blocks an action's source ``src`` (``cpattn.core.steps.Attend``) names on this rank:
         ``("ring", t)``, the kv that started t places behind on the ring (:meth:`ring_blocks`);
         ``("own",)``, this rank's own kv; ``("other", j)``, rank j's kv, and None on rank j itself (its
         own diagonal runs apart)."""
@@ -158,7 +166,7 @@ class Schedule:
     # ------------------------------------------------------------------ its description
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """What every rank does in ``phase`` ("forward" or "backward"), step by step, as the runtime does
-        it (``cpattn.steps``): per step, the kernel calls of each rank, the communication ops issued in
+        it (``cpattn.core.steps``): per step, the kernel calls of each rank, the communication ops issued in
         it with their bytes, whether they are in flight during the step's compute, and the buffers
         alive. ``topology``: where the ranks run, for schedules whose algorithm depends on it (``usp``
         takes its Ulysses degree from the devices per node); None as ``ContextParallel`` runs without
@@ -232,7 +240,8 @@ def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: int
                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     schedule, rt = _site(site).prepare(q, k, v, softmax_scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, lse, *saved = schedule.forward(rt, q, k, v)
+    with memo.scope(rt.block_cache):
+        out, lse, *saved = schedule.forward(rt, q, k, v)
     out, lse, *saved = _own([out, lse, *(saved[0] if saved else ())], (q, k, v))
     return out, lse, saved
 
@@ -260,7 +269,8 @@ def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     schedule, rt = _site(site).runtime(q, k, softmax_scale)
     extra = {"saved": tuple(saved)} if saved else {}
-    dq, dk, dv = schedule.backward(rt, dout.contiguous(), q, k, v, out, lse, **extra)
+    with memo.scope(rt.block_cache):
+        dq, dk, dv = schedule.backward(rt, dout.contiguous(), q, k, v, out, lse, **extra)
     dq, dk, dv = _own([dq, dk, dv], (dout, q, k, v, out, lse, *saved))
     return dq, dk, dv
 
@@ -306,5 +316,5 @@ def op_body(func) -> Callable | None:
     return _BODIES.get(func)
 
 
-__all__ = ["Accumulators", "BlockKind", "BoundedCache", "Run", "Runtime", "Schedule", "Volume", "attend",
+__all__ = ["Accumulators", "BlockKind", "Run", "Runtime", "Schedule", "Volume", "attend",
            "attend_backward", "attention_op", "new_accumulators", "op_body", "register_site"]

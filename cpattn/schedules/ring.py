@@ -10,7 +10,7 @@ step's block gradients are computed, so its transfer overlaps compute too. dq st
 
 Per rank (P > 1): forward sends and receives (P-1) packed kv; backward (P-1) packed kv plus P float32
 dk/dv accumulators (what :meth:`RingSchedule.steps` declares). The steps are the program: the
-executor (``cpattn.executor``) runs them, so the loop below is data, not code. :func:`ring_steps`
+executor (``cpattn.core.executor``) runs them, so the loop below is data, not code. :func:`ring_steps`
 is the ring over any stride of ranks (``usp`` runs it across its Ulysses groups). Any range layout
 works (``custom_layout``).
 """
@@ -20,14 +20,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..steps import Add, Attend, AttendBack, CommOp, Problem, Step, Work, Zeros
-from ..topology import Topology
+from ..core.steps import Add, Attend, AttendBack, CommOp, Problem, Step, Work, Zeros
+from ..core.topology import Topology
 from .base import Schedule
 
 
 def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], kv: CommOp, dkv: CommOp, phase: str,
                live: int) -> list[Step]:
-    """The ring on ``n`` ranks, as a program (``cpattn.executor``). Forward, step t attends the kv that
+    """The ring on ``n`` ranks, as a program (``cpattn.core.executor``). Forward, step t attends the kv that
     started t places behind (role ``kv{t}``, source ``("ring", t)``) while ``kv{t}`` travels one place
     on as ``kv{t+1}``. Backward, the same kv ring; step t's float32 dk/dv (``dkv{t}``) is sent after
     its compute, travels during step t+1 and is added to the next rank's ``dkv{t+1}``; the last one

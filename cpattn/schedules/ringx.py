@@ -25,7 +25,7 @@ for at step i+1, after its compute. These are options of one class, :class:`Ring
 Which pairs attend comes from the mask classifier; EMPTY blocks are skipped, but a rank with nothing
 to compute still joins the step's collectives. Under windows or short documents on the zigzag layout
 every rank may compute its own diagonal first (:meth:`RingX._local_first`). The steps are the
-program (``cpattn.executor`` runs them). At world size 1 everything is local. Per rank, for P > 1
+program (``cpattn.core.executor`` runs them). At world size 1 everything is local. Per rank, for P > 1
 and a mask that shares every owner's step (the full mask), X1 declares, with Q the local queries
 (input dtype), O and R the bytes of a float32 output ``[b, s, h, d]`` and of one float32 per query
 row ``[b, h, s]``, KV the packed local kv (input dtype) and dKV the packed float32 dk/dv: forward P
@@ -37,11 +37,26 @@ receive (P-1) KV) and P reduces (send (P-1) dKV, receive dKV).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 
-from ..pairs import PairWork, TriangularPairs
-from ..steps import Add, Attend, AttendBack, CommOp, Land, LseMax, Problem, Step, Weigh, Work, Zeros, area, distribution
-from ..topology import Topology
+from ..core import memo
+from ..core.pairs import PairWork, TriangularPairs
+from ..core.steps import (
+    Add,
+    Attend,
+    AttendBack,
+    CommOp,
+    Land,
+    LseMax,
+    Problem,
+    Step,
+    Weigh,
+    Work,
+    Zeros,
+    area,
+    distribution,
+)
+from ..core.topology import Topology
 from .base import Runtime, Schedule
 
 
@@ -124,8 +139,9 @@ class RingX(Schedule):
         return pairs.by_q_rank(i) if self.travels(phase) == "q" else pairs.by_kv_rank(i)
 
     def _local_first(self, pairs: PairWork, phase: str) -> bool:
-        """:meth:`_decide_local_first`, cached per (schedule, pair work, phase)."""
-        return _local_first_cached(self, pairs, phase)
+        """:meth:`_decide_local_first`, kept per (schedule, pair work, phase) in the active
+        ``cpattn.core.memo`` scope (a few milliseconds at 64 ranks)."""
+        return memo.cached(("local first", self, pairs, phase), lambda: self._decide_local_first(pairs, phase))
 
     def _decide_local_first(self, pairs: PairWork, phase: str) -> bool:
         """Whether every rank computes its own diagonal block before the shared steps (and skips it in
@@ -272,10 +288,3 @@ class RingX(Schedule):
         if ops:
             steps.append(Step((), ops, overlap=False, live_bytes=live, after=actions))
         return steps
-
-
-@lru_cache(maxsize=64)
-def _local_first_cached(schedule: RingX, pairs: PairWork, phase: str) -> bool:
-    """:meth:`RingX._decide_local_first`, once per (schedule, pair work, phase): the forward and the
-    backward of every call ask (a few milliseconds at 64 ranks)."""
-    return schedule._decide_local_first(pairs, phase)

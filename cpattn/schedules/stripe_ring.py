@@ -2,7 +2,7 @@
 
 Under a causal mask, queries of rank r attend the keys of rank j <= r as a causal block and those of
 rank j > r as a causal block shifted by one (local query i sees local keys < i), so every step is
-balanced. ``cpattn.blocks.striped`` states that rule for the causal and full masks.
+balanced. ``cpattn.core.blocks.striped`` states that rule for the causal and full masks.
 
 Every other mask runs too (:func:`striped_blocks`). A rank's tokens are not contiguous in global
 positions, so its blocks are found by tiling the local (query, key) square: local rows ``[a, b)`` of
@@ -22,14 +22,12 @@ two cells and nothing runs densely unless a cell itself is PARTIAL.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from .. import blocks
-from ..blocks import PARTIAL_TILE, Block
-from ..layout import Layout
-from ..masks import (
+from ..core import blocks, memo
+from ..core.blocks import PARTIAL_TILE, Block
+from ..core.layout import Layout
+from ..core.masks import (
     BlockKind,
     BlockTableMask,
     CausalMask,
@@ -40,8 +38,8 @@ from ..masks import (
     StridedMask,
     has_intervals,
 )
-from ..pairs import PairWork
-from ..steps import Kernel, Problem, Work, work
+from ..core.pairs import PairWork
+from ..core.steps import Kernel, Problem, Work, work
 from .base import Runtime
 from .ring import RingSchedule
 
@@ -52,12 +50,11 @@ BLOCK_MASKS = (StreamingMask, GlobalLocalMask, StridedMask, BlockTableMask)
 MIN_CELL_ROWS = 32
 
 
-def _cell_kinds_uncached(mask: Mask, block: int, cells: int) -> tuple[tuple[BlockKind, ...], ...]:
-    return tuple(tuple(mask.classify(qb * block, (qb + 1) * block, kb * block, (kb + 1) * block)
-                       for kb in range(cells)) for qb in range(cells))
-
-
-_cell_kinds = lru_cache(maxsize=16)(_cell_kinds_uncached)
+def _cell_kinds(mask: Mask, block: int, cells: int) -> tuple[tuple[BlockKind, ...], ...]:
+    """The kind of every ``block x block`` cell, kept in the active ``cpattn.core.memo`` scope."""
+    return memo.cached(("stripe cell kinds", mask, block, cells), lambda: tuple(
+        tuple(mask.classify(qb * block, (qb + 1) * block, kb * block, (kb + 1) * block) for kb in range(cells))
+        for qb in range(cells)))
 
 
 def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: int, valid_len: int | None = None,
@@ -134,10 +131,7 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
     block = mask.block_size if isinstance(mask, BLOCK_MASKS) else 0
     if block and block % p == 0 and block // p >= MIN_CELL_ROWS and valid == seq_len and seq_len % block == 0:
         cells, n = seq_len // block, block // p
-        try:
-            kinds = _cell_kinds(mask, block, cells)
-        except TypeError:  # an unhashable mask
-            kinds = _cell_kinds_uncached(mask, block, cells)
+        kinds = _cell_kinds(mask, block, cells)
         for qb, row in enumerate(kinds):
             run = None  # first cell of the current row of FULL cells
             for kb, kind in enumerate((*row, BlockKind.EMPTY)):  # a sentinel closes the last run
@@ -183,9 +177,6 @@ class StripedPairs(PairWork):
         return self._cache[key]
 
 
-_striped_pairs = lru_cache(maxsize=64)(StripedPairs)
-
-
 class StripeRingSchedule(RingSchedule):
     name = "stripe_ring"
     layout = "striped"
@@ -204,11 +195,8 @@ class StripeRingSchedule(RingSchedule):
 
     def pairs(self, problem: Problem) -> PairWork:
         """The closed form for the causal and full masks without padding, else :class:`StripedPairs`
-        (cached per mask when it is hashable)."""
+        (kept in the active ``cpattn.core.memo`` scope)."""
         if isinstance(problem.mask, CausalMask | FullMask) and not problem.padded:
             return super().pairs(problem)
         args = (problem.mask, problem.padded_len, problem.world, problem.seq_len)
-        try:
-            return _striped_pairs(*args)
-        except TypeError:  # an unhashable mask
-            return StripedPairs(*args)
+        return memo.cached(("striped pairs", *args), lambda: StripedPairs(*args))

@@ -13,7 +13,7 @@ plan order:
 - ``send``: post an asynchronous send (consecutive sends go in one batched call); an input that this
   rank relays is sent as it arrived, a partial result after every contribution to it was folded in;
 - ``compute``: wait for its inputs, run one kernel call (fused rectangle or causal square; a partial
-  cell runs the mask's own cover of it, ``cpattn.blocks.rectangles``, its equal pieces stacked as
+  cell runs the mask's own cover of it, ``cpattn.core.blocks.rectangles``, its equal pieces stacked as
   ``attend`` stacks them) and fold its output into the per-chunk accumulators: lse merge of (out,
   lse) forward, float32 sums of dq and of packed dk/dv backward;
 - ``merge``: wait for a partial result and fold it in (pairwise, as partials arrive).
@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from .. import blocks as blocks_mod
-from .. import kernels
-from ..comm import Communicator
-from ..kernels import acc_dtype
-from ..masks import BlockKind
-from ..merge import merge_into
+from ..core import blocks as blocks_mod
+from ..core import kernels
+from ..core.comm import Communicator
+from ..core.kernels import acc_dtype
+from ..core.masks import BlockKind
+from ..core.merge import merge_into
 from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
 
 TAGS = {"forward": 0, "backward": 1}
@@ -338,7 +338,7 @@ class _Phase:
             self._fold("dkv", j, (dk[:, t * n:(t + 1) * n], dv[:, t * n:(t + 1) * n]))
 
     def _cover(self, i: int, j: int) -> list[blocks_mod.Block]:
-        """The blocks of PARTIAL cell (i, j): ``cpattn.blocks.rectangles`` over the original token ranges
+        """The blocks of PARTIAL cell (i, j): ``cpattn.core.blocks.rectangles`` over the original token ranges
         of its chunks (the plan may hold the sequence reordered), so the mask's own FULL and CAUSAL
         pieces run stacked (``attend``) and only what has no structure runs densely. Padding rows and
         columns (positions >= valid_len) are never covered. Cached with the ContextParallel."""

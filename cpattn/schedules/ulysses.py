@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from ..executor import execute
-from ..kernels import acc_dtype
-from ..layout import grouped
-from ..pairs import head_split, pair_work
-from ..steps import CommOp, Local, Problem, Step
-from ..topology import Topology
+from ..core.executor import execute
+from ..core.kernels import acc_dtype
+from ..core.layout import grouped
+from ..core.pairs import head_split, pair_work
+from ..core.steps import CommOp, Local, Problem, Step
+from ..core.topology import Topology
 from .base import Runtime, Schedule
 from .ring import ring_steps
 
@@ -64,7 +64,7 @@ def _replicated(plan: list[list[int]], kv_heads: int) -> bool:
 
 
 def transforms(q: torch.Tensor, k: torch.Tensor, degree: int) -> dict[str, Callable[[Any], Any]]:
-    """The local rearrangements of a head split among ``degree`` members (the :class:`~cpattn.steps.Local`
+    """The local rearrangements of a head split among ``degree`` members (the :class:`~cpattn.core.steps.Local`
     actions of :func:`head_split_steps`), for local ``q [b, s, h, d]`` and ``k [b, s, h_kv, d]``. An
     exchange sends slice j of its ``*_pack`` output to member j and the ``*_unpack`` of what arrives
     (slice j from member j) is the other split:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..steps import Problem, Step
-from ..topology import Topology
+from ..core.steps import Problem, Step
+from ..core.topology import Topology
 from .base import Runtime, Schedule
 from .ulysses import check_heads, divisors, head_split_steps, run_head_split, run_head_split_backward, saved_like
 

@@ -3,7 +3,7 @@
 The sequence is cut into 2P chunks and rank r holds chunks r and 2P-1-r, so under a causal mask every
 off-diagonal step is the same amount of work on every rank: from a source i < r, all local queries
 attend the first half of kv_i; from i > r, the second local half attends all of kv_i. That rule is not
-written out here: it is what the mask classifier yields on this layout (see ``cpattn.blocks``). Other
+written out here: it is what the mask classifier yields on this layout (see ``cpattn.core.blocks``). Other
 masks are exact too (the classifier decides every block); only the balance is causal-specific.
 """
 

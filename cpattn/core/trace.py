@@ -1,6 +1,6 @@
 """Recording mode: what this process issues, waits for and computes, in order; and, as a timeline, when.
 
-Inside ``with cpattn.trace.recording() as events:`` every communicator call and every block a local
+Inside ``with cpattn.core.trace.recording() as events:`` every communicator call and every block a local
 kernel computes appends one event (a dict) to ``events`` (a stacked call of several equal-shaped
 blocks, ``kernels.forward_stacked``, records one event per block, as ``steps()`` counts them);
 outside it nothing is recorded and the cost is one ``None`` check. Tests compare a recording with
@@ -15,7 +15,7 @@ the schedule's ``steps()`` (what it declares to send and to overlap; see ``cpatt
 A batched point-to-point call issues one event per message under one ``call`` id. A hierarchical
 collective is one call (its second level runs inside ``wait``), as it is one op in the accounting.
 
-**Timeline.** Inside ``with cpattn.trace.timeline(device) as tl:`` the same hooks also stamp wall time
+**Timeline.** Inside ``with cpattn.core.trace.timeline(device) as tl:`` the same hooks also stamp wall time
 (``time.perf_counter_ns``) into ``tl.events``, a list of its own (a recording's events are unchanged,
 and either may be active without the other):
 
@@ -127,7 +127,7 @@ def _end() -> None:
 def recording() -> Iterator[list[dict]]:
     """Record events into the yielded list until the block ends (not re-entrant)."""
     if _state is not None and _state.events is not None:
-        raise RuntimeError("cpattn.trace.recording() is already active")
+        raise RuntimeError("cpattn.core.trace.recording() is already active")
     st = _begin()
     st.events, st.events_from = [], _next_call
     try:
@@ -142,7 +142,7 @@ def timeline(device=None) -> Iterator[Timeline]:
     """Stamp issues, waits and kernel calls with wall time until the block ends (not re-entrant);
     ``device``: where the kernels run (a CUDA device: stamps are CUDA events, resolved at the end)."""
     if _state is not None and _state.timeline is not None:
-        raise RuntimeError("cpattn.trace.timeline() is already active")
+        raise RuntimeError("cpattn.core.trace.timeline() is already active")
     tl = Timeline(device)
     tl.first_call = _next_call
     st = _begin()

@@ -9,7 +9,7 @@ Named layouts follow a rule for any length: contiguous, zigzag, striped. The gen
 *explicit* layout: per-rank ranges for one sequence length (:meth:`Layout.explicit`); :func:`balanced`
 builds one that evens out a mask's attention work across ranks. Every rank holds the same number of
 tokens. A length a layout cannot split is padded up to :meth:`Layout.padded_len` (the padding tokens,
-at the end of the sequence, are masked out; see ``cpattn.blocks``).
+at the end of the sequence, are masked out; see ``cpattn.core.blocks``).
 """
 
 from __future__ import annotations

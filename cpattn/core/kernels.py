@@ -9,7 +9,7 @@ alignment the same, so every kernel's causal flag means the same thing) or PARTI
 - ``forward(q, k, v, kind, scale, mask) -> (out [b, s_q, h, d], lse [b, h, s_q])``
 - ``backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None) -> (dq, dk, dv)``
 - ``forward_stacked`` / ``backward_stacked``: the same for ``pieces`` blocks of one kind and shape
-  stacked along the batch dimension, in one call (``cpattn.blocks.batches``); PARTIAL ones with their
+  stacked along the batch dimension, in one call (``cpattn.core.blocks.batches``); PARTIAL ones with their
   masks stacked ``[pieces, s_q, s_kv]`` (every PARTIAL path takes one mask per batch row,
   ``kernels_cuda.per_row_mask``)
 
@@ -34,7 +34,7 @@ Each call runs one named *kernel path* (:data:`PATHS`), chosen by the pure funct
 - ``math``: plain torch, chunked over queries so memory stays bounded; float64, low-precision PARTIAL
   blocks off CUDA, and whatever no fused kernel fits. It is also the reference-quality path.
 
-The CUDA op wrappers live in :mod:`cpattn.kernels_cuda`. A path whose op has no grouped-query support
+The CUDA op wrappers live in :mod:`cpattn.core.kernels_cuda`. A path whose op has no grouped-query support
 gets its key/value heads expanded (:func:`expand_kv`) and its dk/dv summed back over each group
 (:func:`reduce_kv_grad`), in float32.
 """

@@ -4,7 +4,7 @@ All ranks here are *group-relative* (0 .. world_size - 1 inside ``group``); conv
 ranks torch.distributed wants happens in exactly one place (:meth:`Communicator.global_rank`).
 
 Accounting (``stats()``), per op kind, counts calls and the *payload* bytes that must leave or enter
-this rank whatever algorithm the library picks. :func:`cpattn.steps.payload` is this table, the one rule that the
+this rank whatever algorithm the library picks. :func:`cpattn.core.steps.payload` is this table, the one rule that the
 communicator, the schedules' ``volume()`` (derived from their ``steps()``) and the cost model share:
 
 | op | bytes_sent | bytes_recv |
@@ -20,7 +20,7 @@ communicator, the schedules' ``volume()`` (derived from their ``steps()``) and t
 Each op kind also counts ``wire_sent``: the bytes this rank sends on the wire under the algorithm the
 cost model picks for that op and size on the communicator's topology (:meth:`Communicator.set_topology`:
 ``ContextParallel`` gives it its topology and ``cpattn.cost.collectives.algorithm``), counting what
-it forwards for others (:func:`cpattn.steps.wire`): a ring broadcast sends N from every rank but the
+it forwards for others (:func:`cpattn.core.steps.wire`): a ring broadcast sends N from every rank but the
 chain's last, a tree one about N per rank, an all_reduce 2 (P-1) N / P as a ring and about 2 N as a
 tree; the other ops send their payload. ``stats()`` gives it in ``"total"``, and per op with
 ``stats(wire=True)``.
@@ -31,8 +31,8 @@ receives over its two levels ((N-1) n across nodes plus (D-1) N n inside the nod
 devices), so a schedule's volume does not depend on the topology. Each level is also counted in the
 stats of its own sub-communicator (:meth:`Communicator.level_stats`).
 
-With ``cpattn.trace.recording()`` active, every call is also recorded (issue and wait), for the
-tests that compare a schedule's run with its ``steps()``; with ``cpattn.trace.timeline()`` active, the
+With ``cpattn.core.trace.recording()`` active, every call is also recorded (issue and wait), for the
+tests that compare a schedule's run with its ``steps()``; with ``cpattn.core.trace.timeline()`` active, the
 issue and the wait's start and end are stamped with wall time (``cpattn bench --trace``).
 """
 
@@ -119,7 +119,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class _Recorded:
-    """A handle whose ``wait()`` is recorded (``cpattn.trace``) the first time; with a timeline, its start
+    """A handle whose ``wait()`` is recorded (``cpattn.core.trace``) the first time; with a timeline, its start
     and its end are stamped."""
 
     def __init__(self, handle, call: int) -> None:
@@ -138,7 +138,7 @@ class Communicator:
 
     ``group=None`` means WORLD; when torch.distributed is not initialised it is a one-rank world, so
     every schedule also runs as plain local attention. ``record=False``: never recorded by
-    ``cpattn.trace`` (traffic that is not the schedule's own, e.g. ``unshard`` or the levels of a
+    ``cpattn.core.trace`` (traffic that is not the schedule's own, e.g. ``unshard`` or the levels of a
     hierarchical collective, which is recorded as one call).
     """
 
@@ -185,7 +185,7 @@ class Communicator:
 
     def view(self, record: bool = False) -> Communicator:
         """A communicator on the same group and levels with its own statistics (``record=False``: not
-        recorded by ``cpattn.trace``: setup traffic, ``unshard``), without creating any process group."""
+        recorded by ``cpattn.core.trace``: setup traffic, ``unshard``), without creating any process group."""
         other = copy.copy(self)
         other.record = record
         other._stats = defaultdict(_new_counts)
@@ -285,7 +285,7 @@ class Communicator:
     # ------------------------------------------------------------------ collectives
     def _issue(self, counted: list[tuple[str, int, int]], work, async_op: bool = True, start=None):
         """The handle of a call already counted (``counted``) and started (``work``; None: done),
-        recorded when ``cpattn.trace`` records or stamps a timeline; waited for here unless ``async_op``.
+        recorded when ``cpattn.core.trace`` records or stamps a timeline; waited for here unless ``async_op``.
         ``start``: ``trace.now()``, taken by every call before it starts anything (a timeline's issue time;
         None without a timeline)."""
         handle = work if work is not None else _Done()

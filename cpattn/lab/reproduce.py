@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from .. import schedules
-from ..masks import resolve
-from ..steps import Problem
-from ..topology import Link, Topology
-from .estimate import Estimate, check_supports, estimate
-from .presets import preset
+from ..core.masks import resolve
+from ..core.steps import Problem
+from ..core.topology import Link, Topology
+from ..cost.estimate import Estimate, check_supports, estimate
+from ..cost.presets import preset
 
 #: RingX's headline: collective variants up to 3.4x faster than ring attention on Frontier
 RINGX_CLAIM = 3.4

@@ -3,7 +3,7 @@
 A schedule's steps need, e.g., "what does each rank compute at ring offset t" for up to thousands of
 ranks. :func:`pair_work` answers from closed forms for the causal and full masks on the contiguous,
 zigzag and striped layouts (there the work of a pair depends only on whether the key rank is below,
-equal to or above the query rank), and otherwise by classifying every pair with ``cpattn.blocks``,
+equal to or above the query rank), and otherwise by classifying every pair with ``cpattn.core.blocks``,
 exactly as the schedules do at run time (O(P^2) pairs: meant for small worlds or masks without a
 closed form). Both give identical kernels; the tests compare them.
 """
@@ -11,9 +11,8 @@ closed form). Both give identical kernels; the tests compare them.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache
 
-from . import blocks
+from . import blocks, memo
 from .layout import Layout
 from .masks import BlockKind, CausalMask, FullMask, Mask
 from .steps import Kernel, Work, distribution, work
@@ -109,7 +108,7 @@ def _merge(items: list[tuple[Work, int]]) -> tuple[tuple[Work, int], ...]:
 
 
 class EnumeratedPairs(PairWork):
-    """Any mask and layout: each pair classified by ``cpattn.blocks.for_ranks`` (cached)."""
+    """Any mask and layout: each pair classified by ``cpattn.core.blocks.for_ranks`` (cached)."""
 
     def __init__(self, mask: Mask, layout: Layout, seq_len: int, world: int, valid_len: int | None = None) -> None:
         super().__init__(world)
@@ -167,19 +166,13 @@ def _build(mask: Mask, layout: Layout, seq_len: int, world: int, valid_len: int 
     return closed_form(mask, layout, seq_len, world) or EnumeratedPairs(mask, layout, seq_len, world)
 
 
-_cached = lru_cache(maxsize=64)(_build)
-
-
 def pair_work(mask: Mask, layout: Layout, seq_len: int, world: int, valid_len: int | None = None) -> PairWork:
     """The :class:`PairWork` of ``mask`` on ``layout`` splitting ``seq_len`` tokens of which those at
     positions ``>= valid_len`` are padding (closed form when there is one); cached per (mask, layout,
-    seq_len, world, valid_len) when the mask is hashable."""
+    seq_len, world, valid_len) in the active ``cpattn.core.memo`` scope."""
     layout.check(seq_len, world)
-    try:
-        hash(mask)
-    except TypeError:
-        return _build(mask, layout, seq_len, world, valid_len)
-    return _cached(mask, layout, seq_len, world, valid_len)
+    return memo.cached(("pair_work", mask, layout, seq_len, world, valid_len),
+                       lambda: _build(mask, layout, seq_len, world, valid_len))
 
 
 __all__ = ["EnumeratedPairs", "PairWork", "TriangularPairs", "closed_form", "head_split", "pair_work"]

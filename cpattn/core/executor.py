@@ -1,9 +1,9 @@
 """The one executor: the runtime a call runs in, the local block computations, and the runner of a
 schedule's steps.
 
-A schedule's ``steps(problem, phase, topology)`` (``cpattn.steps``) are its program: per step, the
+A schedule's ``steps(problem, phase, topology)`` (``cpattn.core.steps``) are its program: per step, the
 communication ops (with the buffer roles they send and receive into) and the actions of the step's
-compute (:class:`~cpattn.steps.Attend`, :class:`~cpattn.steps.AttendBack`, ...). :func:`execute` runs
+compute (:class:`~cpattn.core.steps.Attend`, :class:`~cpattn.core.steps.AttendBack`, ...). :func:`execute` runs
 such a list on one rank: per step it issues the ops, runs the compute while they are in flight, waits
 for them, runs the step's ``after`` actions, and drops the buffers no later step uses. So issue and
 wait order, double buffering and the overlap of transfers with compute live here, once, and the
@@ -16,7 +16,6 @@ the device), :func:`attend` / :func:`attend_backward` (blocks batched into stack
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,38 +29,10 @@ from .comm import Communicator
 from .kernels import acc_dtype
 from .layout import Layout
 from .masks import Mask
+from .memo import BoundedCache
 from .merge import merge_finish, merge_into, merge_weights
 from .steps import OWN, Add, Attend, AttendBack, CommOp, Land, Local, LseMax, Problem, Step, Weigh, Zeros
 from .topology import Topology
-
-
-class BoundedCache:
-    """A least-recently-used map with at most ``maxsize`` entries, keyed by value."""
-
-    def __init__(self, maxsize: int = 1024) -> None:
-        self.maxsize = maxsize
-        self._items: OrderedDict[Hashable, Any] = OrderedDict()
-
-    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """The entry of ``key``, built by ``build()`` when missing (evicting the least recently used)."""
-        if key in self._items:
-            self._items.move_to_end(key)
-            return self._items[key]
-        value = build()
-        self._items[key] = value
-        if len(self._items) > self.maxsize:
-            self._items.popitem(last=False)
-        return value
-
-    def put(self, key: Hashable, value: Any) -> None:
-        """Store ``value`` under ``key`` (evicting the least recently used)."""
-        self._items[key] = value
-        self._items.move_to_end(key)
-        if len(self._items) > self.maxsize:
-            self._items.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 @dataclass
@@ -89,7 +60,7 @@ class Runtime:
         return self.comm.rank
 
     def problem(self, q: torch.Tensor, k: torch.Tensor) -> Problem:
-        """The :class:`~cpattn.steps.Problem` of a call with local ``q [b, s, h, d]``, ``k [b, s, h_kv,
+        """The :class:`~cpattn.core.steps.Problem` of a call with local ``q [b, s, h, d]``, ``k [b, s, h_kv,
         d]`` on this runtime (its layout and padding)."""
         b, _, h, d = q.shape
         return Problem(self.seq_len, self.world, self.mask, b, h, k.shape[2], d, kernels.dtype_name(q.dtype),
@@ -109,7 +80,7 @@ class Runtime:
 
 
     def batches(self, blocks: list[blocks_mod.Block], device: torch.device) -> list[Run]:
-        """The stacked kernel calls of ``blocks`` (``cpattn.blocks.batches``) with their row and column
+        """The stacked kernel calls of ``blocks`` (``cpattn.core.blocks.batches``) with their row and column
         indices and masks already on ``device``, kept per block list: a steady-state call copies nothing
         from the host and reads nothing back."""
         key = (id(blocks), str(device))
@@ -122,7 +93,7 @@ class Runtime:
 
 @dataclass(frozen=True)
 class Run:
-    """One stacked kernel call of a :class:`cpattn.blocks.Batch`, ready to run on a device: its rows and
+    """One stacked kernel call of a :class:`cpattn.core.blocks.Batch`, ready to run on a device: its rows and
     columns as slices when contiguous, else as device indices (``host_rows``: the rows on the host), and
     the stacked masks of PARTIAL blocks on the device."""
 
@@ -217,7 +188,7 @@ def _write(acc: Accumulators, span: slice | None, index: torch.Tensor | None, ho
 def attend(rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[blocks_mod.Block],
            acc: Accumulators) -> None:
     """Run the forward kernel on the blocks and merge them into the accumulators ``acc`` (in place).
-    Blocks of one kind and shape run as one stacked call (``cpattn.blocks.batches``); their rows are
+    Blocks of one kind and shape run as one stacked call (``cpattn.core.blocks.batches``); their rows are
     disjoint, so the call's output goes into the accumulator rows at once (merged, or written where
     nothing was)."""
     b = q.shape[0]
@@ -428,7 +399,7 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
     their last use. Per step: its ``before`` actions, issue its ops (in order; the i-th op of a step
     has tag i), its ``run`` actions, wait for the ops, its ``after`` actions, then drop the roles no
     later step names. ``blocks_of``: the blocks of an action's source on this rank; ``transforms``:
-    the functions :class:`~cpattn.steps.Local` actions name."""
+    the functions :class:`~cpattn.core.steps.Local` actions name."""
     transforms = transforms or {}
     drops, keep = _last_uses(steps), set(keep)
     for st, drop in zip(steps, drops):

@@ -25,16 +25,16 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from . import kernels
-from .comm import Communicator
-from .cost.collectives import op_time
-from .cost.presets import LOCAL_ALGORITHM
-from .cost.profile import Profile
-from .launcher import LocalWorld, RankError
-from .masks import BlockKind
-from .merge import merge_into
-from .steps import CommOp, Kernel, Problem
-from .topology import Link, RatePoint, Topology
+from ..core import kernels
+from ..core.comm import Communicator
+from ..core.masks import BlockKind
+from ..core.merge import merge_into
+from ..core.steps import CommOp, Kernel, Problem
+from ..core.topology import Link, RatePoint, Topology
+from ..cost.collectives import op_time
+from ..cost.presets import LOCAL_ALGORITHM
+from ..cost.profile import Profile
+from ..launcher import LocalWorld, RankError
 
 CALIBRATED_OPS = ("sendrecv", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce", "all_to_all")
 

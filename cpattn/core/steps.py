@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
+from . import memo
 from .kernels import DTYPES, element_bytes
 from .layout import Layout
 from .masks import BlockKind, CausalMask, FullMask, Mask, allowed_pairs, resolve
@@ -31,7 +31,7 @@ BACKWARD_FLOP_RATIO = 2.5
 
 def payload(op: str, nbytes: int, size: int, rank: int, root: int = 0) -> tuple[int, int]:
     """``(bytes_sent, bytes_recv)`` that one ``op`` of ``nbytes`` adds to group rank ``rank``'s
-    accounting in a group of ``size`` ranks (the table in ``cpattn.comm``'s docstring: the one
+    accounting in a group of ``size`` ranks (the table in ``cpattn.core.comm``'s docstring: the one
     accounting rule). ``nbytes``: the tensor of a send / recv / broadcast / reduce / all_reduce; the
     per-rank input of an all_gather or all_to_all; the per-rank output of a reduce_scatter. ``root``: of
     a broadcast or reduce."""
@@ -240,18 +240,12 @@ class Problem:
             return s * s
         if isinstance(self.mask, CausalMask):
             return s * (s + 1) // 2
-        try:
-            return _cached_allowed_pairs(self.mask, s)
-        except TypeError:  # an unhashable mask
-            return allowed_pairs(self.mask, s)
+        return memo.cached(("allowed_pairs", self.mask, s), lambda: allowed_pairs(self.mask, s))
 
     def flops(self, phase: str) -> float:
         """Attention FLOPs of ``phase`` ("forward", "backward" or "forward+backward") over the whole
         sequence, counting only allowed pairs: 4 b h d pairs forward, 2.5 x that backward."""
         return attention_flops(self.batch, self.heads, self.head_dim, self.allowed_pairs(), phase)
-
-
-_cached_allowed_pairs = lru_cache(maxsize=64)(allowed_pairs)
 
 
 def split_phase(phase: str) -> tuple[str, ...]:
@@ -323,14 +317,14 @@ def area(w: Work) -> int:
 class CommOp:
     """One communication op issued by every rank of ``group`` in a step.
 
-    ``bytes`` is the op's message size, as in ``cpattn.comm``: the tensor of a ``sendrecv`` (rank r
+    ``bytes`` is the op's message size, as in ``cpattn.core.comm``: the tensor of a ``sendrecv`` (rank r
     sends it to r + ``peer`` and receives one from r - ``peer``) or of a ``broadcast`` / ``reduce``
     (``root`` is the group rank that sends / receives it) / ``all_reduce``; the per-rank input of an
     ``all_gather`` or ``all_to_all``; the per-rank output of a ``reduce_scatter``. ``hierarchical``
     all-gathers and reduce-scatters run in two levels (across nodes along each rail, then inside the
     node; reduce-scatter mirrored) and are accounted as one flat call.
 
-    What the executor (``cpattn.executor``) moves, outside the op's identity: ``send``, the buffer
+    What the executor (``cpattn.core.executor``) moves, outside the op's identity: ``send``, the buffer
     role it sends (a ``sendrecv``'s message, an ``all_gather``'s or ``reduce_scatter``'s input, the
     root's tensor of a ``broadcast``, the tensor a ``reduce`` or ``all_reduce`` reduces in place with
     ``reduce_op``, an ``all_to_all``'s input), and ``recv``, the role it receives into (a new buffer;
@@ -372,7 +366,7 @@ class CommOp:
 
 def group_size(group: str, world: int, topology=None) -> int:
     """Ranks in a :data:`GROUPS` group: every rank (``world``), one node's or one rail's (``topology``:
-    a ``cpattn.topology.Topology``; required for "node" and "rail")."""
+    a ``cpattn.core.topology.Topology``; required for "node" and "rail")."""
     if group == "world":
         return world
     if topology is None:
@@ -388,7 +382,7 @@ class Step:
     it (False). ``live_bytes``: schedule buffers and accumulators alive on a rank during the step,
     beyond the resident inputs and outputs (bytes).
 
-    The program (``cpattn.executor`` runs it on every rank): ``before``, actions that prepare what the
+    The program (``cpattn.core.executor`` runs it on every rank): ``before``, actions that prepare what the
     step's ops send; ``run``, the actions of the step's compute, during which the ops of ``comm`` are
     in flight when ``overlap``; ``after``, actions once they have landed. Actions name buffer roles
     and rank-independent sources, so one step list serves every rank (not part of the step's
@@ -440,7 +434,7 @@ class AttendBack:
 class Zeros:
     """A new float32 (accumulation dtype) zero buffer ``role`` shaped like role ``like`` (with a leading
     dimension of ``count`` when given); ``output``: output accumulators for queries like ``like``
-    (out 0, lse -inf; ``cpattn.executor.Accumulators``)."""
+    (out 0, lse -inf; ``cpattn.core.executor.Accumulators``)."""
 
     role: str
     like: str
