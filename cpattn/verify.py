@@ -413,25 +413,20 @@ def expected_overlap(steps: list) -> tuple[int, int]:
     return overlapped, computes
 
 
-def check_plan(plan, phase: str, events: list[dict], rank: int, sizes) -> dict:
-    """A planned schedule's recording against its plan: this rank's sends and receives, one message
-    per transfer, in the plan's order with the plan's sizes (pure)."""
-    ph = plan.phase(phase)
-    want = [(op.kind, sizes.item_bytes(ph.transfers[op.id].item)) for op in ph.ops[rank] if op.kind in ("send", "recv")]
-    got = [(ev["op"], ev["sent"] or ev["recv"]) for ev in events if ev["ev"] == "issue"]
-    problems = [] if got == want else [f"rank {rank} {phase}: ran {got[:6]}..., the plan says {want[:6]}..."]
-    return {"problems": problems, "overlapped": 0, "computes": sum(ev["ev"] == "compute" for ev in events)}
-
-
 def spec_report(cp, q: torch.Tensor, k: torch.Tensor, events: dict[str, list[dict]]) -> dict:
-    """This rank's recordings of one call (per phase) against the schedule's description: its
-    ``steps()`` (:func:`check_steps`) or, for a planned schedule, its plan (:func:`check_plan`). The
+    """This rank's recordings of one call (per phase) against the steps it ran (:func:`check_steps`):
+    the schedule's ``steps()``, or for a planned schedule its plan compiled into this rank's steps
+    (``cpattn.schedules.ultra.compile_steps``: one message per transfer, in the plan's order). The
     steps' problem carries the call's layout and padding, so the overlap and kernel counts are checked
-    too (by :func:`check`, over all ranks), for every layout and padded length."""
+    too (by :func:`check`, over all ranks), for every layout and padded length; a plan's steps are one
+    rank's, so only their messages and order are."""
     out = {}
     for phase, evs in events.items():
         if cp.schedule.planned:
-            out[phase] = {**check_plan(cp.plan(q, k), phase, evs, cp.rank, cp.plan_sizes(q, k)), "expected": None}
+            from .schedules.ultra import compile_steps
+
+            steps = compile_steps(cp.plan(q, k), phase, cp.rank, cp.plan_sizes(q, k))
+            out[phase] = {**check_steps(steps, evs, cp.rank, cp.world_size), "expected": None}
             continue
         steps = cp.schedule.steps(cp.problem(q, k), phase, cp.topology)
         rep = check_steps(steps, evs, cp.rank, cp.world_size, cp.topology)

@@ -159,3 +159,41 @@ def test_check_steps_names_undeclared_missing_and_unwaited_messages():
     late = [Step((), (CommOp("broadcast", 8, root=0),)), Step((), (CommOp("all_reduce", 8),))]
     swapped = _events(("issue", 0, "all_reduce", 8, 8), ("wait", 0), ("issue", 1, "broadcast", 0, 8), ("wait", 1))
     assert any("after an op of step" in p for p in verify.check_steps(late, swapped, rank=1, world=2)["problems"])
+
+
+def test_a_plan_compiles_into_each_ranks_executor_steps(tmp_path, monkeypatch):
+    """``ultra``'s plan becomes executor steps per rank: one ``send`` / ``recv`` per transfer of that
+    rank, in plan order, with the plan's peer and size; a receive stays in flight until the first step
+    that reads it (a kernel, a merge or the relay that forwards it); sends are waited for at the end."""
+    import torch
+
+    from cpattn import masks
+    from cpattn.cost import presets
+    from cpattn.planner import get_plan, request
+    from cpattn.schedules.ultra import compile_steps, plan_sizes
+
+    monkeypatch.setenv("CPATTN_CACHE_DIR", str(tmp_path))
+    plan = get_plan(request(masks.sliding_window(64), 1024, presets.local(4), 1, 4, 2, 16, "float32",
+                            schedules.get("ultra").plan_options))
+    sizes = plan_sizes(plan, torch.empty(1, 256, 4, 16), torch.empty(1, 256, 2, 16))
+    moved = 0
+    for phase in ("forward", "backward"):
+        ph = plan.phase(phase)
+        for rank in range(4):
+            steps = compile_steps(plan, phase, rank, sizes)
+            ops = [(i, op) for i, st in enumerate(steps) for op in st.comm]
+            mine = [op for op in ph.ops[rank] if op.kind in ("send", "recv")]
+            assert [op.op for _, op in ops] == [op.kind for op in mine]
+            for (i, op), planned in zip(ops, mine):
+                t = ph.transfers[planned.id]
+                assert op.bytes == sizes.item_bytes(t.item)
+                assert op.root == (t.src if op.op == "recv" else t.dst)
+                if op.op == "send":
+                    assert op.wait == len(steps) - 1
+                    continue
+                assert op.wait > i
+                reads = [a.src if isinstance(a.src, tuple) else (a.src,) for a in steps[op.wait].run]
+                relays = [o for o in steps[op.wait].comm if o.send == op.recv]
+                assert any(op.recv in r for r in reads) or relays, (phase, rank, i, op)
+            moved += len(ops)
+    assert moved > 0

@@ -16,7 +16,7 @@ the device), :func:`attend` / :func:`attend_backward` (blocks batched into stack
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,7 +264,8 @@ def _roles(action) -> tuple[str, ...]:
     if isinstance(action, Land):
         return (action.num, action.den, action.m, action.into)
     if isinstance(action, Local):
-        return (action.src, action.dst)
+        src = action.src if isinstance(action.src, tuple) else (action.src,)
+        return (*src, *((action.dst,) if action.dst is not None else ()))
     raise TypeError(f"unknown action {action!r}")
 
 
@@ -276,7 +277,7 @@ def _last_uses(steps: list[Step]) -> list[set[str]]:
         for op in st.comm:
             for role in (op.send, op.recv):
                 if role is not None:
-                    last[role] = i
+                    last[role] = max(last.get(role, i), i if op.wait is None else op.wait)
         for action in (*st.before, *st.run, *st.after):
             for role in _roles(action):
                 last[role] = i
@@ -313,7 +314,11 @@ def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any]):
             mine = _tensor(roles, op.send)
             roles[op.recv] = buf = comm.new_buffer(mine.shape, mine.dtype, mine.device)
         return comm.broadcast(buf, src=op.root, async_op=True)
+    if op.op == "recv":  # into the buffer an action of the step (``before``) made
+        return comm.send_recv(recvs=[(roles[op.recv], op.root)], tag=tag)
     send = _tensor(roles, op.send)
+    if op.op == "send":
+        return comm.send_recv(sends=[(send, op.root)], tag=tag)
     if op.op == "all_reduce":
         return comm.all_reduce(send, op=op.reduce_op, async_op=True)
     if op.op == "reduce":
@@ -382,7 +387,10 @@ def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf,
         part = roles[action.part]
         roles[action.num], roles[action.den] = merge_weights(part.out, part.lse, roles[action.m])
     elif isinstance(action, Local):
-        roles[action.dst] = transforms[action.fn](roles[action.src])
+        src = tuple(roles[r] for r in action.src) if isinstance(action.src, tuple) else roles[action.src]
+        result = transforms[action.fn](src)
+        if action.dst is not None:
+            roles[action.dst] = result
     elif isinstance(action, Land):
         if action.owner == rt.rank:
             acc = roles[action.into]
@@ -392,20 +400,34 @@ def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf,
 
 
 def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: BlocksOf,
-            keep: tuple[str, ...] = (), transforms: dict[str, Callable[[Any], Any]] | None = None
+            keep: tuple[str, ...] = (), transforms: Mapping[Hashable, Callable[[Any], Any]] | None = None
             ) -> dict[str, Any]:
     """Run ``steps`` on this rank, starting from the buffers ``roles`` (e.g. ``q``, ``kv0``; backward
     also ``dout``, ``out``, ``lse``); returns the roles alive at the end, and those of ``keep`` whatever
     their last use. Per step: its ``before`` actions, issue its ops (in order; the i-th op of a step
     has tag i), its ``run`` actions, wait for the ops, its ``after`` actions, then drop the roles no
-    later step names. ``blocks_of``: the blocks of an action's source on this rank; ``transforms``:
-    the functions :class:`~cpattn.core.steps.Local` actions name."""
+    later step names. An op with a later ``wait`` stays in flight until the step it names, where it is
+    waited for first of all, before that step's actions and ops (so a message arrives while earlier
+    steps compute, and a step can forward what it waited for).
+    ``blocks_of``: the blocks of an action's source on this rank; ``transforms``: the functions
+    :class:`~cpattn.core.steps.Local` actions name."""
     transforms = transforms or {}
     drops, keep = _last_uses(steps), set(keep)
-    for st, drop in zip(steps, drops):
+    due: dict[int, list] = {}  # step index -> handles waited for before its run actions
+    for i, (st, drop) in enumerate(zip(steps, drops)):
+        for handle in due.pop(i, ()):
+            handle.wait()
         for action in st.before:
             _do(rt, action, roles, blocks_of, transforms)
-        handles = [_issue(rt, op, tag, roles) for tag, op in enumerate(st.comm)]
+        handles = []
+        for n, op in enumerate(st.comm):
+            handle = _issue(rt, op, n if op.tag is None else op.tag, roles)
+            if op.wait is None or op.wait == i:
+                handles.append(handle)
+            elif op.wait < i:
+                raise ValueError(f"step {i}: an op cannot be waited for at an earlier step ({op.wait})")
+            else:
+                due.setdefault(op.wait, []).append(handle)
         for action in st.run:
             _do(rt, action, roles, blocks_of, transforms)
         for handle in handles:
@@ -415,6 +437,8 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
             _do(rt, action, roles, blocks_of, transforms)
         for role in drop - keep:
             roles.pop(role, None)
+    if due:
+        raise ValueError(f"ops wait at steps {sorted(due)}, past the last step ({len(steps) - 1})")
     return roles
 
 

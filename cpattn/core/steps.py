@@ -140,7 +140,8 @@ def attention_flops(batch: int, heads: int, head_dim: int, pairs: float, phase: 
 
 
 #: communication ops a step may issue (``sendrecv`` is one batched send plus one receive)
-COMM_OPS = ("sendrecv", "broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+COMM_OPS = ("sendrecv", "send", "recv", "broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter",
+            "all_to_all")
 #: process groups an op may run on: every rank, the ranks of one node, or one rail (same local index)
 GROUPS = ("world", "node", "rail")
 
@@ -318,7 +319,8 @@ class CommOp:
     """One communication op issued by every rank of ``group`` in a step.
 
     ``bytes`` is the op's message size, as in ``cpattn.core.comm``: the tensor of a ``sendrecv`` (rank r
-    sends it to r + ``peer`` and receives one from r - ``peer``) or of a ``broadcast`` / ``reduce``
+    sends it to r + ``peer`` and receives one from r - ``peer``), of a ``send`` to / ``recv`` from the
+    one group rank ``root`` (steps compiled for one rank, as ``ultra``'s plan is) or of a ``broadcast`` / ``reduce``
     (``root`` is the group rank that sends / receives it) / ``all_reduce``; the per-rank input of an
     ``all_gather`` or ``all_to_all``; the per-rank output of a ``reduce_scatter``. ``hierarchical``
     all-gathers and reduce-scatters run in two levels (across nodes along each rail, then inside the
@@ -346,6 +348,11 @@ class CommOp:
     #: a sendrecv of one slice of an exchange: send ``send[to]``, receive into ``recv[from]`` (members
     #: counted inside ``within``); the first such op of a step allocates ``recv`` with the own slice
     slot: bool = field(default=False, compare=False)
+    #: the index of a later step (in the list being run) at whose start the op is waited for; None: at
+    #: the end of its own step
+    wait: int | None = field(default=None, compare=False)
+    #: the message tag of a ``send`` / ``recv`` (None: the op's place in its step)
+    tag: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.op not in COMM_OPS:
@@ -362,6 +369,11 @@ class CommOp:
         ``Communicator.stats()`` in a group of ``size`` ranks (:func:`payload`)."""
         kinds = ("send", "recv") if self.op == "sendrecv" else (self.op,)
         return {k: (1, *payload(k, self.bytes, size, rank, self.root)) for k in kinds}
+
+    @property
+    def needs_peer_rank(self) -> bool:
+        """A ``send`` or ``recv`` names the rank at its other end: it belongs to one rank's steps."""
+        return self.op in ("send", "recv")
 
 
 def group_size(group: str, world: int, topology=None) -> int:
@@ -486,12 +498,15 @@ class Land:
 
 @dataclass(frozen=True)
 class Local:
-    """``role dst = fn(role src)``: a local rearrangement the schedule names and defines (e.g. Ulysses'
-    packing for an exchange; ``Schedule.transforms``), no communication."""
+    """``role dst = fn(role src)``: local work the schedule names and defines (e.g. Ulysses' packing for
+    an exchange, ``ultra``'s kernel calls and merges; the ``transforms`` the executor is given), no
+    communication. ``fn``: a name, or a hashable naming one of a family (``("compute", 3)``); ``src``: a
+    role, or a tuple of roles handed over as a tuple of values; ``dst``: the role of the result (None:
+    the result is not kept)."""
 
-    fn: str
-    src: str
-    dst: str
+    fn: Hashable
+    src: str | tuple[str, ...]
+    dst: str | None
 
 
 Action = Attend | AttendBack | Zeros | Add | LseMax | Weigh | Land | Local

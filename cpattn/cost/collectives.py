@@ -12,6 +12,7 @@ direction) and L = ceil(log2 g):
 | | tree: double binary tree, reduce then broadcast, pipelined | 2 L alpha + 2 N / B |
 | all_to_all (N per rank) | pairwise | (g-1) alpha + the busiest link's bytes / its bandwidth |
 | sendrecv (n, to rank + k) | one message per rank | alpha + the busiest link's bytes / its bandwidth |
+| send / recv (n, one peer) | one message | alpha + n / B of the node's link, or of the network across nodes |
 | hierarchical all_gather | rail ring, then node ring | all_gather(n) on each rail + all_gather(nodes n) in the node |
 | hierarchical reduce_scatter | node ring, then rail ring | the same two terms |
 
@@ -54,7 +55,8 @@ from ..core.steps import CommOp
 from ..core.topology import ALGORITHM_OPS, Link, Topology
 
 #: the one algorithm of the ops without a choice
-FIXED_ALGORITHMS = {"all_gather": "ring", "reduce_scatter": "ring", "all_to_all": "pairwise", "sendrecv": "p2p"}
+FIXED_ALGORITHMS = {"all_gather": "ring", "reduce_scatter": "ring", "all_to_all": "pairwise", "sendrecv": "p2p",
+                    "send": "p2p", "recv": "p2p"}
 
 
 def group_size(op: CommOp, topo: Topology) -> int:
@@ -132,6 +134,8 @@ def op_time(op: CommOp, topo: Topology) -> float:
         return sum(op_times(op, topo))
     if op.op == "sendrecv":
         return _sendrecv(op, topo)
+    if op.op in ("send", "recv"):  # one message to or from one rank: across nodes when there are several
+        return (topo.link_for("sendrecv") if topo.nodes == 1 else topo.inter).time(op.bytes)
     if op.op == "all_to_all":
         return _all_to_all(op, topo, g)
     link = _link(op, topo)

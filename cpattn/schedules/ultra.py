@@ -1,22 +1,23 @@
-"""UltraAttn executor: runs a plan (a :class:`cpattn.planner.Plan`, docs/ultraattn.md) on a process group.
+"""UltraAttn: a plan (a :class:`cpattn.planner.Plan`, docs/ultraattn.md) compiled into each rank's
+executor steps.
 
 The plan arrives in ``Runtime.plan``: ``ContextParallel`` builds it with ``cpattn.planner`` (or reads
-it from the plan cache) on group rank 0, broadcasts it, and keeps it; this module only executes. The
-planner reads :data:`ITEMS` (what each message holds and its bytes) and :class:`Sizes` from here, so
-the bytes it plans are the bytes this executor sends.
+it from the plan cache) on group rank 0, broadcasts it, and keeps it. The planner reads :data:`ITEMS`
+(what each message holds and its bytes) and :class:`Sizes` from here, so the bytes it plans are the
+bytes the steps send.
 
 Layout: the plan's owner map (rank r holds chunks ``r * c .. r * c + c - 1`` of the plan's ``c``
-chunks per rank, over the sequence in the plan's piece order). Each rank walks its operations in
-plan order:
+chunks per rank, over the sequence in the plan's piece order). :func:`compile_steps` turns a rank's
+operations, in plan order, into steps that the one executor (``cpattn.core.executor.execute``) runs:
 
-- ``recv``: post an asynchronous receive (one call per message, so each can be waited on alone);
-- ``send``: post an asynchronous send (consecutive sends go in one batched call); an input that this
-  rank relays is sent as it arrived, a partial result after every contribution to it was folded in;
-- ``compute``: wait for its inputs, run one kernel call (fused rectangle or causal square; a partial
-  cell runs the mask's own cover of it, ``cpattn.core.blocks.rectangles``, its equal pieces stacked as
-  ``attend`` stacks them) and fold its output into the per-chunk accumulators: lse merge of (out,
-  lse) forward, float32 sums of dq and of packed dk/dv backward;
-- ``merge``: wait for a partial result and fold it in (pairwise, as partials arrive).
+- ``recv``: a ``recv`` op from the sender (one call per message), waited for at its first use;
+- ``send``: a ``send`` op to the receiver; an input that this rank relays is sent as it arrived, a
+  partial result after every contribution to it was folded in;
+- ``compute``: one kernel call (fused rectangle or causal square; a partial cell runs the mask's own
+  cover of it, ``cpattn.core.blocks.rectangles``, its equal pieces stacked as ``attend`` stacks them)
+  folded into the per-chunk accumulators: lse merge of (out, lse) forward, float32 sums of dq and of
+  packed dk/dv backward;
+- ``merge``: fold a received partial result in (pairwise, as partials arrive).
 
 A chunk's accumulator on its owner is a view of the rank's output, so when all partials have been
 merged the owner holds the exact result. Backward, a row's remote kernels get q, dout, its final lse
@@ -29,9 +30,9 @@ guarantees the order cannot deadlock and messages between two ranks are posted i
 both sides.
 
 Communication per rank: one ``send`` per transfer leaving it and one ``recv`` per transfer arriving,
-of :meth:`Sizes.item_bytes` each (``Plan.volume``). ``ultra`` declares no ``steps()``: its plan is its
-description (the cost model simulates the plan; the recording tests compare a run with the plan's
-per-rank operations).
+of :meth:`Sizes.item_bytes` each (``Plan.volume``). ``ultra`` declares no rank-generic ``steps()``: the
+cost model simulates its plan's dependency graph (``cost.plan_estimate``), and the recording check
+holds a run to the steps compiled for each rank (``verify.spec_report``).
 """
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ import torch
 from ..core import blocks as blocks_mod
 from ..core import kernels
 from ..core.comm import Communicator
+from ..core.executor import execute
 from ..core.kernels import acc_dtype
 from ..core.masks import BlockKind
 from ..core.merge import merge_into
+from ..core.steps import CommOp, Local, Step
 from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
 
 TAGS = {"forward": 0, "backward": 1}
@@ -87,7 +90,7 @@ class Sizes:
 class Item:
     """One kind of message: in which ``phases`` it travels, whether it is an ``input`` of kernels or a
     ``partial`` result, whether it follows a kernel's ``rows`` or ``cols``, its size, and how one
-    message is packed from and unpacked into its parts (:meth:`_Phase._own_input` gives the parts)."""
+    message is packed from and unpacked into its parts (:meth:`_Program._own_input` gives the parts)."""
 
     phases: tuple[str, ...]
     role: str  # "input" or "partial"
@@ -152,34 +155,99 @@ ITEMS: dict[str, Item] = {
 }
 
 
-class _Phase:
-    """The state of one phase on one rank: inputs at hand, pending receives, accumulators, sends."""
+def compile_steps(plan, phase: str, rank: int, sizes: Sizes) -> list[Step]:
+    """``rank``'s operations of ``phase`` in ``plan`` as executor steps (``cpattn.core.executor``), one
+    step per operation and a last, empty one:
+
+    - ``recv n``: a ``before`` action makes the buffer (``("buffer", n)``), then a ``recv`` op from the
+      sender into role ``m<n>``, waited for at the step of its first use (a kernel, a merge, or the
+      relay that forwards it), so it arrives while the steps before compute;
+    - ``send n``: a ``send`` op to the receiver of role ``s<n>`` (packed by ``("pack", n)``: an own input,
+      or a partial result once all its contributions were folded in), or of the received ``m<i>`` it
+      relays as it arrived; waited for at the last step;
+    - ``compute k``: one ``run`` action ``("compute", k)`` over the received inputs it reads;
+    - ``merge n``: one ``run`` action ``("merge", n)`` that folds the received partial ``m<n>`` in.
+
+    Every message has the phase's tag; the plan's validation guarantees that two ranks post the
+    messages between them in the same order, so none can deadlock."""
+    ph, tag = plan.phase(phase), TAGS[phase]
+    inputs = {n for n, it in ITEMS.items() if phase in it.phases and it.role == "input"}
+    incoming = {(t.item, t.chunk): n for n, t in enumerate(ph.transfers) if t.dst == rank and t.item in inputs}
+    owned = plan.owner
+
+    def received(item: str, chunks) -> list[int]:
+        return [incoming[item, c] for c in chunks if owned[c] != rank]
+
+    ops = ph.ops[rank]
+    end = len(ops)
+    first_use: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.kind == "compute":
+            kn = ph.kernels[op.id]
+            row_item = "q" if phase == "forward" else "qb"
+            for n in received(row_item, kn.rows) + received("kv", kn.cols):
+                first_use.setdefault(n, i)
+        elif op.kind == "merge":
+            first_use.setdefault(op.id, i)
+        elif op.kind == "send":
+            t = ph.transfers[op.id]
+            if t.item in inputs and owned[t.chunk] != rank:  # a relay
+                first_use.setdefault(incoming[t.item, t.chunk], i)
+    steps = []
+    for op in ops:
+        if op.kind == "recv":
+            t = ph.transfers[op.id]
+            role = f"m{op.id}"
+            steps.append(Step(before=(Local(("buffer", op.id), (), role),), overlap=True, comm=(
+                CommOp("recv", sizes.item_bytes(t.item), root=t.src, recv=role, tag=tag,
+                       wait=first_use.get(op.id, end)),)))
+        elif op.kind == "send":
+            t = ph.transfers[op.id]
+            nbytes = sizes.item_bytes(t.item)
+            if t.item in inputs and owned[t.chunk] != rank:
+                steps.append(Step(comm=(CommOp("send", nbytes, root=t.dst, send=f"m{incoming[t.item, t.chunk]}",
+                                               tag=tag, wait=end),)))
+            else:
+                role = f"s{op.id}"
+                steps.append(Step(before=(Local(("pack", op.id), (), role),), comm=(
+                    CommOp("send", nbytes, root=t.dst, send=role, tag=tag, wait=end),)))
+        elif op.kind == "compute":
+            kn = ph.kernels[op.id]
+            row_item = "q" if phase == "forward" else "qb"
+            src = tuple(f"m{n}" for n in received(row_item, kn.rows) + received("kv", kn.cols))
+            steps.append(Step(run=(Local(("compute", op.id), src, None),)))
+        else:
+            steps.append(Step(run=(Local(("merge", op.id), f"m{op.id}", None),)))
+    steps.append(Step())
+    return steps
+
+
+class _Program:
+    """What ``rank``'s steps of one phase do locally (:func:`compile_steps` names them): make receive
+    buffers, pack messages, run kernels and fold partial results into the per-chunk accumulators. The
+    executor issues and waits for every message; this object holds the phase's inputs and accumulators.
+    Given to :func:`cpattn.core.executor.execute` as its ``transforms``: ``program[("compute", 3)]`` is
+    the function of that action."""
 
     def __init__(self, rt: Runtime, plan, phase: str, local: dict[str, torch.Tensor],
                  acc: dict[str, torch.Tensor]) -> None:
         self.rt, self.plan, self.phase = rt, plan, phase
         self.ph = plan.phase(phase)
-        self.rank, self.world = rt.rank, rt.world
+        self.rank = rt.rank
         self.local, self.own_acc = local, acc
         self.c = plan.chunks_per_rank
         self.chunk = plan.table.chunk
         q = local["q"]
-        self.batch, _, self.heads, self.head_dim = q.shape
-        self.kv_heads = local["k"].shape[2]
         self.dtype, self.acc = q.dtype, acc_dtype(q.dtype)
         self.device = q.device
-        self.sizes = Sizes(self.batch, self.chunk, self.heads, self.kv_heads, self.head_dim, q.element_size(),
-                           kernels.acc_bytes(q.dtype))
-        self.input_items = {n for n, it in ITEMS.items() if phase in it.phases and it.role == "input"}
-        self.incoming = {(t.item, t.chunk): n for n, t in enumerate(self.ph.transfers)
-                         if t.dst == self.rank and t.item in self.input_items}
-        self.inputs: dict[tuple[str, int], tuple[torch.Tensor, ...]] = {}  # received, unpacked
-        self.raw: dict[tuple[str, int], torch.Tensor] = {}  # received, as they arrived (for relays)
-        self.pending: dict[int, tuple[object, torch.Tensor]] = {}  # transfer id -> (handle, buffer)
+        self.sizes = plan_sizes(plan, q, local["k"])
         self.partial: dict[tuple[str, int], object] = {}  # (item, chunk) -> accumulator on this rank
-        self.send_batch: list[tuple[torch.Tensor, int]] = []
-        self.send_handles: list = []
-        self.keep: list[torch.Tensor] = []  # send buffers, alive until their sends complete
+
+    def __getitem__(self, fn) -> Callable:
+        kind, n = fn
+        return {"buffer": lambda _: self._buffer(n), "pack": lambda _: self._pack_send(n),
+                "compute": lambda values: self._compute(n, values),
+                "merge": lambda value: self._merge(n, value)}[kind]
 
     # ------------------------------------------------------------------ chunk views
     def _rows(self, first: int, last: int) -> slice:
@@ -209,12 +277,13 @@ class _Phase:
     def _consecutive_owned(self, chunks: tuple[int, ...]) -> bool:
         return all(self._owned(c) for c in chunks) and list(chunks) == list(range(chunks[0], chunks[-1] + 1))
 
-    def _gather(self, item: str, chunks: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    def _gather(self, item: str, chunks: tuple[int, ...], arrived) -> tuple[torch.Tensor, ...]:
         """An input item's parts for ``chunks``, each concatenated along its sequence dimension (a view
-        of the local tensors when they are consecutive chunks this rank owns)."""
+        of the local tensors when they are consecutive chunks this rank owns); ``arrived``: the received
+        messages of the chunks this rank does not own, in order."""
         if self._consecutive_owned(chunks):
             return self._own_input(item, self._rows(chunks[0], chunks[-1]))
-        parts = [self._own_input(item, self._rows(c, c)) if self._owned(c) else self._arrive(item, c)
+        parts = [self._own_input(item, self._rows(c, c)) if self._owned(c) else self._unpack(item, next(arrived))
                  for c in chunks]
         if len(parts) == 1:
             return parts[0]
@@ -231,35 +300,21 @@ class _Phase:
         return torch.cat([self.local["out"][:, self._rows(c, c)] for c in chunks], 1)
 
     # ------------------------------------------------------------------ messages
-    def _buffer(self, item: str) -> torch.Tensor:
-        shape, dtype = ITEMS[item].buffer(self.sizes, self.dtype, self.acc)
+    def _buffer(self, n: int) -> torch.Tensor:
+        shape, dtype = ITEMS[self.ph.transfers[n].item].buffer(self.sizes, self.dtype, self.acc)
         return Communicator.new_buffer(shape, dtype, self.device)
 
     def _unpack(self, item: str, buf: torch.Tensor):
         """A message as its parts: inputs as :meth:`_own_input` gives them, ``o`` as (out, lse)."""
         return ITEMS[item].unpack(buf, self.sizes, self.dtype, self.acc)
 
-    def _pack(self, item: str, value) -> torch.Tensor:
-        """One contiguous message: the inverse of :meth:`_unpack`."""
-        return ITEMS[item].pack(value)
-
-    def _wait(self, n: int) -> torch.Tensor:
-        handle, buf = self.pending.pop(n)
-        handle.wait()
-        return buf
-
-    def _arrive(self, item: str, chunk: int) -> tuple[torch.Tensor, ...]:
-        """A received input (waiting for its transfer the first time it is needed)."""
-        if (item, chunk) not in self.inputs:
-            buf = self._wait(self.incoming[item, chunk])
-            self.raw[item, chunk] = buf
-            self.inputs[item, chunk] = self._unpack(item, buf)
-        return self.inputs[item, chunk]
-
-    def _flush_sends(self) -> None:
-        if self.send_batch:
-            self.send_handles.append(self.rt.comm.send_recv(sends=self.send_batch, tag=TAGS[self.phase]))
-            self.send_batch = []
+    def _pack_send(self, n: int) -> torch.Tensor:
+        """The message of send ``n``: this rank's own input rows, or a partial result (complete: every
+        contribution to it was folded in before the send, in plan order)."""
+        t = self.ph.transfers[n]
+        if ITEMS[t.item].role == "partial":
+            return ITEMS[t.item].pack(self.partial.pop((t.item, t.chunk)))
+        return ITEMS[t.item].pack(self._own_input(t.item, self._rows(t.chunk, t.chunk)))
 
     # ------------------------------------------------------------------ accumulators
     def _fold(self, item: str, chunk: int, value) -> None:
@@ -281,36 +336,20 @@ class _Phase:
         else:
             target.add_(value)
 
-    # ------------------------------------------------------------------ operations
-    def recv(self, n: int) -> None:
+    def _merge(self, n: int, buf: torch.Tensor) -> None:
         t = self.ph.transfers[n]
-        buf = self._buffer(t.item)
-        self.pending[n] = (self.rt.comm.send_recv(recvs=[(buf, t.src)], tag=TAGS[self.phase]), buf)
+        self._fold(t.item, t.chunk, self._unpack(t.item, buf))
 
-    def send(self, n: int) -> None:
-        t = self.ph.transfers[n]
-        if t.item not in self.input_items:
-            buf = self._pack(t.item, self.partial.pop((t.item, t.chunk)))
-        elif self._owned(t.chunk):
-            buf = self._pack(t.item, self._own_input(t.item, self._rows(t.chunk, t.chunk)))
-        else:  # a relay forwards the message as it arrived
-            self._flush_sends()
-            self._arrive(t.item, t.chunk)
-            buf = self.raw[t.item, t.chunk]
-        self.keep.append(buf)
-        self.send_batch.append((buf, t.dst))
-
-    def merge(self, n: int) -> None:
-        t = self.ph.transfers[n]
-        self._fold(t.item, t.chunk, self._unpack(t.item, self._wait(n)))
-
-    def compute(self, k: int) -> None:
+    def _compute(self, k: int, received: tuple[torch.Tensor, ...]) -> None:
         kn, rt, n = self.ph.kernels[k], self.rt, self.chunk
         kind = BlockKind(kn.kind)
-        k_cat, v_cat = self._gather("kv", kn.cols)
+        arrived = iter(received)  # rows' messages first, then columns' (compile_steps' order)
+        forward = self.phase == "forward"
+        rows = self._gather("q" if forward else "qb", kn.rows, arrived)
+        k_cat, v_cat = self._gather("kv", kn.cols, arrived)
         cover = self._cover(kn.rows[0], kn.cols[0]) if kind == BlockKind.PARTIAL else None
-        if self.phase == "forward":
-            (q_cat,) = self._gather("q", kn.rows)
+        if forward:
+            (q_cat,) = rows
             if cover is None:
                 out, lse = kernels.forward(q_cat, k_cat, v_cat, kind, rt.scale, None, rt.backend)
             else:
@@ -320,7 +359,7 @@ class _Phase:
             for t, i in enumerate(kn.rows):
                 self._fold("o", i, (out[:, t * n:(t + 1) * n], lse[:, :, t * n:(t + 1) * n]))
             return
-        q_cat, dout_cat, lse_cat, delta_cat = self._gather("qb", kn.rows)
+        q_cat, dout_cat, lse_cat, delta_cat = rows
         out_cat = self._own_out(kn.rows)
         if cover is None:
             dq, dk, dv = kernels.backward(dout_cat, q_cat, k_cat, v_cat, out_cat, lse_cat, kind, rt.scale, None,
@@ -347,25 +386,28 @@ class _Phase:
         return self.rt.block_cache.get(("ultra cell", rows, cols, valid),
                                        lambda: blocks_mod.rectangles(self.rt.mask, rows, cols, valid))
 
-    # ------------------------------------------------------------------ run
     def run(self) -> None:
-        for op in self.ph.ops[self.rank]:
-            if op.kind == "send":
-                self.send(op.id)
-                continue
-            self._flush_sends()
-            if op.kind == "recv":
-                self.recv(op.id)
-            elif op.kind == "compute":
-                self.compute(op.id)
-            else:
-                self.merge(op.id)
-        self._flush_sends()
-        if self.pending or self.partial:
-            raise RuntimeError(f"ultra {self.phase}: rank {self.rank} ended with {len(self.pending)} unread "
-                               f"messages and {len(self.partial)} unsent partial results (invalid plan)")
-        for h in self.send_handles:
-            h.wait()
+        execute(self.rt, program_steps(self.rt, self.plan, self.phase, self.sizes), {}, lambda _: None,
+                transforms=self)
+        if self.partial:
+            raise RuntimeError(f"ultra {self.phase}: rank {self.rank} ended with {len(self.partial)} unsent "
+                               "partial results (invalid plan)")
+
+
+def plan_sizes(plan, q: torch.Tensor, k: torch.Tensor) -> Sizes:
+    """The message sizes of ``plan`` for local ``q [b, s, h, d]``, ``k [b, s, h_kv, d]``."""
+    return Sizes(q.shape[0], plan.table.chunk, q.shape[2], k.shape[2], q.shape[3], q.element_size(),
+                 kernels.acc_bytes(q.dtype))
+
+
+def program_steps(rt: Runtime, plan, phase: str, sizes: Sizes) -> list[Step]:
+    """:func:`compile_steps` for this rank, kept with the runtime's cache per plan, phase and sizes."""
+    key = ("ultra steps", id(plan), phase, rt.rank, sizes)
+    entry = rt.block_cache.get(key, lambda: (plan, compile_steps(plan, phase, rt.rank, sizes)))
+    if entry[0] is not plan:  # a plan that died left its id to this one
+        entry = (plan, compile_steps(plan, phase, rt.rank, sizes))
+        rt.block_cache.put(key, entry)
+    return entry[1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -394,7 +436,7 @@ class UltraSchedule(Schedule):
         acc = acc_dtype(q.dtype)
         out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
         lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
-        _Phase(rt, plan, "forward", {"q": q, "k": k, "v": v}, {"out": out, "lse": lse}).run()
+        _Program(rt, plan, "forward", {"q": q, "k": k, "v": v}, {"out": out, "lse": lse}).run()
         return out.to(q.dtype), lse
 
     def backward(self, rt: Runtime, dout, q, k, v, out, lse):
@@ -404,8 +446,8 @@ class UltraSchedule(Schedule):
         dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)
         delta = kernels.row_delta(dout, out)  # [b, h, s] like lse: all a fetched row's kernels need of out
         local = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse, "delta": delta}
-        _Phase(rt, plan, "backward", local, {"dq": dq, "dkv": dkv}).run()
+        _Program(rt, plan, "backward", local, {"dq": dq, "dkv": dkv}).run()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-__all__ = ["ITEMS", "Item", "Sizes", "UltraSchedule"]
+__all__ = ["ITEMS", "Item", "Sizes", "UltraSchedule", "compile_steps", "plan_sizes", "program_steps"]
