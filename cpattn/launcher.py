@@ -10,8 +10,12 @@ When a worker dies mid-call, the others are usually blocked in a collective with
 the death within :data:`POLL_S`, asks the others to stop, and kills those still running after
 ``stop_grace`` seconds: every rank has ended about ``stop_grace + POLL_S`` seconds after the death. The
 process-group timeout (``pg_timeout``, default :data:`DEFAULT_PG_TIMEOUT_S`) bounds a blocked gloo call
-on its own too, in place of gloo's 30-minute default, so a worker whose parent is gone does not wait on
-a dead peer for half an hour.
+on its own too, in place of gloo's 30-minute default.
+
+A worker whose launcher dies (the parent killed, even by SIGKILL) exits within :data:`PARENT_POLL_S`
+(:func:`watch_parent`, which ``python -m cpattn.train`` uses under torchrun too) instead of running on
+as an orphan. :meth:`LocalWorld.signal` forwards a signal to every worker (``cpattn train`` forwards
+SIGTERM so that the run saves and stops).
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import itertools
 import logging
 import os
 import queue
+import signal as signal_mod
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -37,6 +43,10 @@ log = logging.getLogger(__name__)
 DEFAULT_PG_TIMEOUT_S = 30.0
 #: seconds between the parent's checks that every worker is alive
 POLL_S = 0.2
+#: seconds between a worker's checks that its launcher is alive
+PARENT_POLL_S = 0.5
+#: exit status of a worker that stopped because its launcher died
+PARENT_GONE_EXIT = 75
 
 
 class WorldError(RuntimeError):
@@ -67,8 +77,31 @@ def _resolve(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+def watch_parent(parent_pid: int, launcher: str = "launcher", poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
+    """Exit this process (status :data:`PARENT_GONE_EXIT`, one line on stderr) within ``poll_s`` of its
+    parent ``parent_pid`` dying: an orphan is re-parented, so ``os.getppid()`` changes. A daemon
+    thread; None when ``parent_pid`` is not this process's parent (already gone, or init)."""
+    if parent_pid <= 1 or os.getppid() != parent_pid:
+        return None
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                try:
+                    os.write(2, f"worker pid {os.getpid()}: its {launcher} (pid {parent_pid}) is gone; exiting\n"
+                             .encode())
+                finally:
+                    os._exit(PARENT_GONE_EXIT)
+
+    thread = threading.Thread(target=watch, name="cpattn-watch-parent", daemon=True)
+    thread.start()
+    return thread
+
+
 def _worker(rank: int, size: int, port: int, threads: int, env: dict, start_timeout: float, pg_timeout: float,
-            tasks, results) -> None:
+            tasks, results, parent_pid: int = 0) -> None:
+    watch_parent(parent_pid, "LocalWorld parent")
     os.environ.update(env)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -121,7 +154,7 @@ class LocalWorld:
         self._ids = itertools.count()
         port = free_port()
         self._procs = [ctx.Process(target=_worker, args=(r, size, port, threads, dict(env or {}), start_timeout,
-                                                         self.pg_timeout, self._tasks[r], self._results),
+                                                         self.pg_timeout, self._tasks[r], self._results, os.getpid()),
                                    daemon=True)
                        for r in range(size)]
         for p in self._procs:
@@ -164,6 +197,16 @@ class LocalWorld:
             if tid == task_id:
                 out[rank] = value
         return [out[r] for r in range(self.size)]
+
+    def signal(self, sig: int = signal_mod.SIGTERM) -> None:
+        """Send ``sig`` to every live worker (e.g. SIGTERM: ``cpattn.train.run_rank`` then saves and
+        returns after the step in progress)."""
+        for p in self._procs:
+            if p.is_alive() and p.pid is not None:
+                try:
+                    os.kill(p.pid, sig)
+                except ProcessLookupError:
+                    pass
 
     def close(self) -> None:
         if not getattr(self, "alive", True) and not any(p.is_alive() for p in self._procs):

@@ -22,6 +22,9 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import checkpoint as ckpt
 from .api import ContextParallel
 from .core.masks import document
 
@@ -49,8 +53,10 @@ class TrainConfig:
     ``dp``. ``seq``: tokens per sequence (llama; the ViT's is its patch count). ``task``: ``recall``
     (associative recall, causal mask) or ``documents`` (packed documents, document mask) for llama;
     ``fields`` for the ViT. ``stop_after``: end after this step, as an interrupted run would.
-    ``checkpoint``: a directory; saved every ``checkpoint_every`` steps (0: at the end only), resumed
-    from its latest step with ``resume``. ``peak_tflops``: per rank, for MFU (None: the matmul rate
+    ``checkpoint``: a directory holding one run (:mod:`cpattn.checkpoint`); saved every
+    ``checkpoint_every`` steps (0: at the end only; always at the end and on SIGTERM), resumed from its
+    newest intact step with ``resume``; a new run refuses a directory that holds another run's steps
+    unless ``overwrite`` (which deletes them). ``peak_tflops``: per rank, for MFU (None: the matmul rate
     measured on every rank at once, :func:`world_matmul_peak`)."""
 
     model: str = "llama"
@@ -68,6 +74,7 @@ class TrainConfig:
     checkpoint: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    overwrite: bool = False
     eval_every: int = 0
     peak_tflops: float | None = None
     progress: bool = False
@@ -95,8 +102,18 @@ class TrainConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"stop_after must be in [1, steps={self.steps}], got {self.stop_after!r}")
+        for name in ("checkpoint_every", "eval_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.resume and not self.checkpoint:
             raise ValueError("resume needs a checkpoint directory")
+        if self.overwrite and not self.checkpoint:
+            raise ValueError("overwrite needs a checkpoint directory")
+        if self.overwrite and self.resume:
+            raise ValueError("overwrite and resume contradict each other: --overwrite deletes the run --resume "
+                             "would continue")
+        _model_config(self.model, self.config)  # an unknown config name fails here
         if self.task == "documents" and self.documents and sum(self.documents) != self.seq:
             raise ValueError(f"document lengths {list(self.documents)} sum to {sum(self.documents)}, "
                              f"not seq={self.seq}")
@@ -245,66 +262,188 @@ def _pick(configs: dict, name: str, model: str):
     return configs[name]
 
 
+def _model_config(model: str, name: str):
+    if model == "llama":
+        from .models.llama import LLAMA_CONFIGS
+
+        return _pick(LLAMA_CONFIGS, name, "llama")
+    from .models.vit import VIT_CONFIGS
+
+    return _pick(VIT_CONFIGS, name, "vit")
+
+
 def _recall_pairs(seq: int) -> int:
     return max(2, min(8, seq // 16))
 
 
-# ---------------------------------------------------------------------------------- checkpoints
-def _checkpoint_dir(root: str, step: int) -> Path:
-    return Path(root) / f"step-{step:06d}"
+# ---------------------------------------------------------------------------------- checks before start-up
+def _mask_of(cfg: TrainConfig):
+    from .core import masks
+
+    if cfg.model == "vit":
+        return masks.resolve("full")
+    if cfg.task == "documents":
+        return document(list(cfg.document_lengths()))
+    return masks.resolve("causal")
+
+
+def check_schedule(cfg: TrainConfig) -> None:
+    """Raise ValueError (one line) unless ``cfg.schedule`` can run the run's mask and head shapes on
+    ``cfg.cp`` ranks; nothing communicates."""
+    from . import schedules
+
+    if cfg.schedule == "auto":
+        return
+    sched = schedules.get(cfg.schedule)  # an unknown name fails here
+    mask = _mask_of(cfg)
+    m = _model_config(cfg.model, cfg.config)
+    seq = cfg.seq if cfg.model == "llama" else m.n_patches
+    local = -(-seq // cfg.cp)
+    q = torch.empty((cfg.batch // cfg.dp, local, m.heads, m.dim // m.heads), device="meta")
+    k = torch.empty((cfg.batch // cfg.dp, local, m.kv_heads, m.dim // m.heads), device="meta")
+    try:
+        sched.check_mask(mask)
+        sched.check_shape(q, k, cfg.cp)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        raise ValueError(f"schedule {cfg.schedule!r} cannot train this run ({cfg.model} {cfg.config}, task "
+                         f"{cfg.task}, mask {mask.name!r}, cp {cfg.cp}): {exc}") from None
+
+
+def preflight(cfg: TrainConfig, checksums: bool = False) -> list[str]:
+    """Every check a run can make before any worker starts (ValueError, one line, when one fails): the
+    schedule against the mask, and the checkpoint directory: a new run refuses one that holds another
+    run (unless ``overwrite``); a resume needs an intact step whose configuration may be continued and
+    that leaves steps to train. Returns notes to show (steps passed over, fields a resume changes)."""
+    check_schedule(cfg)
+    if not cfg.checkpoint:
+        return []
+    if not cfg.resume:
+        if not cfg.overwrite:
+            ckpt.check_new_run(cfg.checkpoint)
+        return []
+    step, path, rec, passed = ckpt.find_latest(cfg.checkpoint, checksums=checksums)
+    notes = [f"passed over {p}" for p in passed]
+    notes += [f"resume changes {n}" for n in ckpt.check_resume(rec["config"], dataclasses.asdict(cfg))]
+    _check_steps_left(cfg, step, path)
+    return notes
+
+
+def _check_steps_left(cfg: TrainConfig, step: int, path) -> None:
+    last = cfg.stop_after or cfg.steps
+    if step >= last:
+        what = f"--stop-after {cfg.stop_after}" if cfg.stop_after else f"--steps {cfg.steps}"
+        raise ckpt.CheckpointError(f"resume: {path} is at step {step}, so {what} leaves nothing to train; "
+                                   f"give --steps beyond {step}")
 
 
 def latest_checkpoint(root: str) -> tuple[int, Path] | None:
-    """The highest complete step saved under ``root`` (its ``progress.json`` is written last)."""
-    found = []
-    for path in Path(root).glob("step-*"):
-        progress = path / "progress.json"
-        if progress.exists():
-            found.append((json.loads(progress.read_text())["step"], path))
-    return max(found) if found else None
+    """The newest intact step saved under ``root`` (checksums verified), or None."""
+    try:
+        step, path, _, _ = ckpt.find_latest(root)
+    except ckpt.CheckpointError:
+        return None
+    return step, path
 
 
-def save_checkpoint(root: str, step: int, model, optim, cfg: TrainConfig, losses: list[float]) -> Path:
-    """``torch.distributed.checkpoint`` of model and optimizer, then ``progress.json`` (data position =
-    the step: batches are a pure function of it) from rank 0; collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    path = _checkpoint_dir(root, step)
-    model_sd, optim_sd = get_state_dict(model, optim)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (path / "progress.json").write_text(json.dumps({"step": step, "losses": losses,
-                                                        "config": dataclasses.asdict(cfg)}, indent=1))
-    dist.barrier()
-    return path
+# ---------------------------------------------------------------------------------- stopping
+#: set by the SIGTERM handler run_rank installs; every rank learns of it at the end of the step
+_STOP = {"signal": None}
 
 
-def load_checkpoint(root: str, model, optim) -> tuple[int, list[float]]:
-    """Restore the latest checkpoint under ``root`` into ``model`` and ``optim``; ``(step, losses)``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (a non-finite loss or gradient norm); every rank raises it alike."""
 
-    latest = latest_checkpoint(root)
-    if latest is None:
-        raise ValueError(f"resume: no complete checkpoint under {root}")
-    step, path = latest
-    progress = json.loads((path / "progress.json").read_text())
-    model_sd, optim_sd = get_state_dict(model, optim)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return step, list(progress["losses"])
+
+def _on_sigterm(signum, frame) -> None:
+    if _STOP["signal"] is None:
+        _STOP["signal"] = signum
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        _say(f"rank {rank}: SIGTERM received; finishing this step, then saving")
+
+
+def _say(line: str) -> None:
+    """One line to stderr in one write (ranks share the launcher's stderr)."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
+
+
+def _install_sigterm():
+    """SIGTERM sets the stop flag (when this is the main thread); returns what to restore."""
+    _STOP["signal"] = None
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+#: test hook: each rank writes ``{"pid", "step", "phase"}`` to ``$CPATTN_TRAIN_STATUS.<rank>`` as it goes
+STATUS_ENV = "CPATTN_TRAIN_STATUS"
+
+
+def _status(step: int, phase: str) -> None:
+    base = os.environ.get(STATUS_ENV)
+    if base:
+        path = Path(f"{base}.{dist.get_rank()}")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "step": step, "phase": phase}))
+        os.replace(tmp, path)
+
+
+def _guard(step: int, what: str, value: float, cfg: TrainConfig, saved: int | None) -> None:
+    if math.isfinite(value):
+        return
+    last = f"the last checkpoint is {ckpt.step_dir(cfg.checkpoint, saved)}" if saved else \
+        "no checkpoint of this run was saved"
+    raise TrainingStopped(f"step {step}: the {what} is {value} (not finite); stopped before the optimizer step, "
+                          f"so no non-finite weights were saved ({last}); lower --lr (now {cfg.lr:g})")
 
 
 # ---------------------------------------------------------------------------------- the loop
 def run_rank(config: dict | TrainConfig, return_params: bool = False) -> dict:
     """Train on this rank of an initialised default process group of ``dp * cp`` ranks; returns the
     run's record (losses per step, throughput, evaluations; the final parameters with
-    ``return_params``) on every rank."""
+    ``return_params``; ``stopped``: the step a SIGTERM stopped it after, else None;
+    ``checkpoint_notes``: the steps a resume passed over, and what it changed) on every rank.
+
+    A non-finite loss or gradient norm raises :class:`TrainingStopped` on every rank before the
+    optimizer step. SIGTERM (on any rank) ends the run after the step in progress, saved when a
+    checkpoint directory is given."""
     cfg = config if isinstance(config, TrainConfig) else TrainConfig(**config)
+    previous = _install_sigterm()
+    try:
+        return _train(cfg, return_params)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _setup_checkpoint(cfg: TrainConfig, model, optim) -> tuple[int, list[float], str | None, list[str]]:
+    """Prepare the checkpoint directory (collective): ``(start_step, losses, run_id, notes)``."""
+    if not cfg.checkpoint:
+        return 0, [], None, []
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            if cfg.resume:
+                ckpt.remove_unfinished(cfg.checkpoint)
+            else:
+                ckpt.prepare_new_run(cfg.checkpoint, cfg.overwrite)
+        except (ckpt.CheckpointError, OSError) as exc:
+            error = str(exc)
+    ckpt._agree(error)
+    if not cfg.resume:
+        ids = [ckpt.new_run_id()]
+        dist.broadcast_object_list(ids, src=0)
+        return 0, [], ids[0], []
+    step, rec, notes = ckpt.load(cfg.checkpoint, model, optim, cfg)
+    _check_steps_left(cfg, step, ckpt.step_dir(cfg.checkpoint, step))
+    return step, list(rec["losses"])[:step], rec["run_id"], notes
+
+
+def _train(cfg: TrainConfig, return_params: bool) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    check_schedule(cfg)
     grid = mesh(cfg.dp, cfg.cp, device.type)
     dp_rank = grid.get_local_rank("dp")
     task = _Task(cfg, device)
@@ -313,14 +452,18 @@ def run_rank(config: dict | TrainConfig, return_params: bool = False) -> dict:
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
     rows = cfg.batch // cfg.dp
-    losses: list[float] = []
-    start_step = 0
-    if cfg.resume:
-        start_step, losses = load_checkpoint(cfg.checkpoint, model, optim)
-        losses = losses[:start_step]
+    start_step, losses, run_id, notes = _setup_checkpoint(cfg, model, optim)
+    if dist.get_rank() == 0:
+        for note in notes:
+            _say(f"checkpoint: {note}")
+        if cfg.resume:
+            _say(f"checkpoint: resuming {ckpt.step_dir(cfg.checkpoint, start_step)}")
+    saved = start_step or None
     peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else world_matmul_peak()
     last = cfg.stop_after or cfg.steps
     times, evals = [], []
+    stopped = None
+    _status(start_step, "train")
     progress = _Progress(cfg, last, start_step) if cfg.progress and dist.get_rank() == 0 else None
     for step in range(start_step + 1, last + 1):
         t0 = time.perf_counter()
@@ -329,22 +472,36 @@ def run_rank(config: dict | TrainConfig, return_params: bool = False) -> dict:
         loss_sum, count, _ = task.local_sums(mine, cp)
         totals = torch.stack([count.detach().to(torch.float64), loss_sum.detach().to(torch.float64)])
         dist.all_reduce(totals)  # the global token count, and the global loss sum for the log
+        loss = float(totals[1] / totals[0])
+        _guard(step, "loss", loss, cfg, saved)  # the same value, so the same decision, on every rank
         (loss_sum / totals[0].to(loss_sum.dtype)).backward()
-        _all_reduce_grads(params)
+        stop, norm = _all_reduce_grads(params, _STOP["signal"] is not None)
+        _guard(step, "gradient norm", norm, cfg, saved)
         optim.step()
         optim.zero_grad(set_to_none=True)
-        losses.append(float(totals[1] / totals[0]))
+        losses.append(loss)
         times.append(time.perf_counter() - t0)
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
             evals.append({"step": step, **evaluate(task, cp, dp_rank)})
-        if cfg.checkpoint and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == last):
-            save_checkpoint(cfg.checkpoint, step, model, optim, cfg, losses)
+        if cfg.checkpoint and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == last or stop):
+            _status(step, "save")
+            ckpt.save(cfg.checkpoint, step, model, optim, cfg, losses, run_id)
+            saved = step
+        _status(step, "train")
         if progress is not None:
             progress.update(step, losses[-1], _rate(cfg, task, times, peak))
+        if stop and step < last:
+            stopped = step
+            break
     if progress is not None:
         progress.close()
+    if stopped is not None:
+        where = (f"saved {ckpt.step_dir(cfg.checkpoint, stopped)}; resume with --resume --checkpoint "
+                 f"{cfg.checkpoint}") if cfg.checkpoint else "no --checkpoint was given, so nothing was saved"
+        _say(f"rank {dist.get_rank()}: stopped by SIGTERM after step {stopped}; {where}")
     record = {"config": dataclasses.asdict(cfg), "losses": losses, "first_step": start_step + 1,
-              "evaluations": evals, "schedule": cp.schedule_name, "rank": dist.get_rank(),
+              "evaluations": evals, "schedule": cp.schedule_name, "rank": dist.get_rank(), "stopped": stopped,
+              "checkpoint_notes": notes,
               "params": [p.detach().cpu().clone() for p in params] if return_params else None,
               **_rate(cfg, task, times, peak)}
     if dist.get_rank() == 0:
@@ -352,16 +509,20 @@ def run_rank(config: dict | TrainConfig, return_params: bool = False) -> dict:
     return record
 
 
-def _all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
-    """Sum every parameter's gradient over the whole world (dp and cp) in one flat all-reduce."""
+def _all_reduce_grads(params: list[torch.nn.Parameter], stop: bool = False) -> tuple[bool, float]:
+    """Sum every parameter's gradient over the whole world (dp and cp) in one flat all-reduce, which
+    also carries each rank's ``stop`` flag; returns whether any rank asked to stop, and the norm of
+    the summed gradient (the same on every rank)."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flag = torch.tensor([1.0 if stop else 0.0], dtype=grads[0].dtype, device=grads[0].device)
+    flat = torch.cat([g.reshape(-1) for g in grads] + [flag])
     dist.all_reduce(flat)
     offset = 0
     for p, g in zip(params, grads):
         n = g.numel()
         p.grad = flat[offset:offset + n].view_as(p).clone()
         offset += n
+    return bool(flat[-1] > 0), float(flat[:-1].norm())
 
 
 def _rate(cfg: TrainConfig, task: _Task, times: list[float], peak: float) -> dict:
@@ -487,8 +648,11 @@ def add_arguments(p, compare: bool = False) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step (as if interrupted)")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory")
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save every N steps (0: at the end only; a SIGTERM also saves)")
+    p.add_argument("--resume", action="store_true", help="resume from the newest intact step of --checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a --checkpoint directory that holds another run, deleting its steps")
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--peak-tflops", type=float, default=None, help="per-rank peak for MFU (default: measured "
                                                                    "matmul rate)")
@@ -510,22 +674,43 @@ def config_from_args(args, world: int, cp: int | None = None, schedule: str | No
     return TrainConfig(model=args.model, config=args.config, dp=args.dp, cp=cp, schedule=schedule or args.schedule,
                        steps=args.steps, seq=args.seq, batch=args.batch, task=task, lr=args.lr, seed=args.seed,
                        stop_after=args.stop_after, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, eval_every=args.eval_every, peak_tflops=args.peak_tflops,
-                       progress=True, log=args.log, plot=args.plot, documents=docs)
+                       resume=args.resume, overwrite=args.overwrite, eval_every=args.eval_every,
+                       peak_tflops=args.peak_tflops, progress=True, log=args.log, plot=args.plot, documents=docs)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """torchrun entry. Argument and configuration errors are found before the process group starts
+    (one line, exit 2, alike on every rank); a non-finite loss ends with one line (exit 1); SIGTERM
+    ends after the step in progress, saved, with exit 0; a worker whose launcher died exits."""
     from . import distributed
+    from .launcher import watch_parent
 
+    watch_parent(os.getppid(), "torchrun")
     args = build_parser().parse_args(argv)
-    _rank, world, _local, _device = distributed.init()
+    rank = os.environ.get("RANK", "0")
     try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
         cfg = config_from_args(args, world)
         if cfg.world != world:
             raise ValueError(f"dp={cfg.dp} x cp={cfg.cp} = {cfg.world} ranks, but torchrun started {world}")
+        notes = preflight(cfg)
+    except ValueError as exc:
+        if rank == "0":
+            _say(f"error: {exc}")
+        return 2
+    if rank == "0":
+        for note in notes:
+            _say(f"checkpoint: {note}")
+    distributed.init()
+    try:
         record = run_rank(cfg)
         if dist.get_rank() == 0:
-            print(json.dumps({k: record[k] for k in ("losses", "tokens_per_s", "mfu", "schedule")}))
+            print(json.dumps({k: record[k] for k in ("losses", "tokens_per_s", "mfu", "schedule", "stopped")}),
+                  flush=True)
+    except (TrainingStopped, ValueError) as exc:
+        if dist.get_rank() == 0:
+            _say(f"error: {exc}")
+        return 1
     finally:
         dist.destroy_process_group()
     return 0

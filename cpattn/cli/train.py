@@ -5,6 +5,11 @@ world per number of ranks, each rank with ``cores / ranks`` threads) and the tab
 throughput with ``ring`` on the same mesh and with the one-context-rank run of the same schedule. The
 same loop runs unchanged under torchrun: ``torchrun --nproc-per-node N -m cpattn.train ...``
 (:mod:`cpattn.train`).
+
+Everything that can be checked before the workers start is (arguments, the model config, the schedule
+against the mask, the checkpoint directory: :func:`cpattn.train.preflight`), each failure one line.
+SIGTERM is forwarded to the workers, which finish their step, save, and stop (exit 0, with the line to
+resume); a lost worker ends with one line naming it and how to resume.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 from pathlib import Path
 
 from .output import stderr, stdout
@@ -43,17 +49,38 @@ def configs(args) -> list:
     runs = [train.config_from_args(args, args.dp * cp, cp=cp, schedule=name) for cp in cps for name in names]
     if len(runs) > 1 and args.checkpoint:
         raise ValueError("--checkpoint takes one run: give one --cp and one --schedule")
+    notes = []
+    for cfg in runs:
+        notes += train.preflight(cfg)
+    for note in notes:
+        stderr().print(f"checkpoint: {note}", soft_wrap=True, markup=False)
     return runs
 
 
+#: what a case raised on the workers that is the user's to fix: one line, no traceback
+_USER_ERRORS = ("ValueError", "CheckpointError", "TrainingStopped", "RanksDisagreeError", "MemoryError")
+
+
+def _resume_hint(cfg) -> str:
+    from .. import train
+
+    if not cfg.checkpoint:
+        return "no --checkpoint was given, so nothing can be resumed"
+    latest = train.latest_checkpoint(cfg.checkpoint)
+    if latest is None:
+        return f"{cfg.checkpoint} holds no intact step yet; start again (with --overwrite)"
+    return f"resume from {latest[1]} with the same arguments and --resume"
+
+
 def run(args) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from .. import train
-    from ..launcher import LocalWorld, RankError
+    from ..launcher import LocalWorld, RankError, WorldError
 
     runs = configs(args)
-    err, records = stderr(), []
+    err, records, stopped = stderr(), [], False
     cores = os.cpu_count() or 1
     for world_size in dict.fromkeys(cfg.world for cfg in runs):
         threads = max(1, cores // world_size)
@@ -65,13 +92,35 @@ def run(args) -> int:
                 err.print(f"measured matmul peak: {peak * 1e3:.1f} GFLOP/s per rank")
             for cfg in (c for c in runs if c.world == world_size):
                 one = dataclasses.replace(cfg, progress=True, log=None, plot=None, peak_tflops=peak)
-                results = world.run(train.run_rank, timeout=args.timeout, name=f"cpattn train {cfg.schedule}",
-                                    config=dataclasses.asdict(one))
+                previous = signal.signal(signal.SIGTERM, lambda signum, frame, w=world: w.signal(signum))
+                try:
+                    results = world.run(train.run_rank, timeout=args.timeout, name=f"cpattn train {cfg.schedule}",
+                                        config=dataclasses.asdict(one))
+                except WorldError as exc:
+                    err.print(f"[red]training failed:[/red] {escape(str(exc))}; {escape(_resume_hint(cfg))}",
+                              soft_wrap=True, highlight=False)
+                    return 1
+                finally:
+                    signal.signal(signal.SIGTERM, previous)
                 failed = [r for r in results if isinstance(r, RankError)]
                 if failed:
-                    err.print(f"[red]training failed:[/red] {failed[0]}\n{failed[0].traceback}")
+                    first = failed[0]
+                    if first.type in _USER_ERRORS:
+                        err.print(f"[red]training stopped:[/red] {escape(str(first))}", soft_wrap=True,
+                                  highlight=False)
+                    else:
+                        err.print(f"[red]training failed:[/red] {escape(str(first))}\n{escape(first.traceback)}")
                     return 1
                 records.append(results[0])
+                if results[0]["stopped"] is not None:
+                    err.print(f"stopped by SIGTERM after step {results[0]['stopped']}; "
+                              + (f"resume with the same arguments and --resume (checkpoint {cfg.checkpoint})"
+                                 if cfg.checkpoint else "nothing saved (no --checkpoint)"),
+                              soft_wrap=True, markup=False)
+                    stopped = True
+                    break
+            if stopped:
+                break
     stdout().print(_table(Table, records))
     for rec in records:
         for ev in rec["evaluations"]:
