@@ -8,6 +8,7 @@ plan with ``cpattn.planner`` (or reads it from the plan cache) and broadcasts it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -28,7 +29,7 @@ from .core.topology import Topology
 from .cost import collectives
 from .cost.estimate import plan_estimate
 from .cost.profile import ProfileError
-from .schedules.base import Runtime, Schedule, attention_op, register_site
+from .schedules.base import Runtime, Schedule, attention_op, register_site, site_slot
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 PLANS_KEPT = 8
 #: entries a ContextParallel remembers (block lists, steps, pair work, estimates; cpattn.core.memo)
 MEMO_KEPT = 1024
+#: views (``with_mask``) a ContextParallel keeps, by mask: the windows of a model's layers, a few masks
+VIEWS_KEPT = 16
 
 
 #: the per-rank shape ``schedule="auto"`` estimates with: the layout (which ``shard`` needs) is fixed at
@@ -157,6 +160,9 @@ class ContextParallel:
         self._plans = BoundedCache(PLANS_KEPT)
         self._checked: set = set()  # call signatures already agreed on (check="first")
         self._site = register_site(self)  # how the cpattn::attention op finds this object
+        self._slot = site_slot(self._site)
+        self._base: ContextParallel | None = None  # the object a view was made from (with_mask)
+        self._views = BoundedCache(VIEWS_KEPT)  # views by mask, shared with every view of this object
 
     def _configure(self, seq_len, mask, schedule, topology, backend, layout, check, memory_limit) -> None:
         """Check every argument and derive the layout, on this rank only (no communication)."""
@@ -189,6 +195,7 @@ class ContextParallel:
         self.schedule.check_mask(self.mask)
         self.mask.check_seq_len(seq_len)
         self.layout, self.padded_len = self._choose_layout(layout, seq_len)
+        self._layout_arg = layout  # a view chooses its layout for its own mask the same way
         self.seq_len = seq_len
         self.backend = backend
 
@@ -241,6 +248,54 @@ class ContextParallel:
         if layout.name == "striped":
             raise ValueError("layout='striped' is not a range layout: only schedule 'stripe_ring' runs on it")
         return layout, layout.padded_len(seq_len, world)
+
+    # ------------------------------------------------------------------ per-step masks
+    def with_mask(self, mask: Mask | str | dict) -> ContextParallel:
+        """A view of this ContextParallel for another mask over the same ``seq_len`` (one step's packed
+        documents, one layer's window): the same group, schedule, topology, backend and checks, with
+        ``shard``, ``unshard``, ``positions``, ``attention`` and ``comm_stats`` of its own mask. Cheap:
+        no process group is made and no schedule is searched; the layout is chosen for the mask as the
+        constructor would (the schedule's own, or ``layout="balanced"`` rebalanced for it). Views are
+        kept by mask (the last few), so asking again for an equal mask returns the same view with its
+        block lists and steps. Collective: unless ``check="off"``, the ranks agree on the mask (one
+        small exchange of a digest), so a rank given another mask makes every rank raise.
+
+        A batch whose rows hold different documents is one packed sequence (rows flattened into the
+        sequence dimension): ``cpattn.masks.document(lengths)`` over ``b * S`` tokens, or
+        ``cpattn.masks.from_cu_seqlens(cu_seqlens)``."""
+        base = self._base or self
+        error, view = None, None
+        try:
+            resolved = resolve(mask)
+            view = base if resolved == base.mask else base._views.get(resolved, lambda: base._view(resolved))
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            error = exc
+        if base.check != "off":
+            text = _mask_text(resolved) if error is None else "?"
+            agree.agree(base._setup, "ContextParallel.with_mask", {"mask": text}, error, base._exchange_device)
+        elif error is not None:
+            raise error
+        return view
+
+    def _view(self, mask: Mask) -> ContextParallel:
+        """A new view of this (base) object for ``mask``, checked on this rank only."""
+        self.schedule.check_mask(mask)
+        mask.check_seq_len(self.seq_len)
+        view = copy.copy(self)
+        view.mask, view._base = mask, self
+        if self.schedule.planned:  # a per-step mask is placed fast (greedy); the ILP stays for the base mask
+            options = self.schedule.plan_options or planner.PlanOptions()
+            view.schedule = dataclasses.replace(self.schedule,
+                                                plan_options=dataclasses.replace(options, use_solver=False))
+        view._memo = BoundedCache(MEMO_KEPT)
+        with memo.scope(view._memo):
+            view.layout, view.padded_len = view._choose_layout(self._layout_arg, self.seq_len)
+        view._runtime = Runtime(self.comm, mask, view.layout, view.padded_len, backend=self.backend,
+                                topology=self.topology, seq_len=self.seq_len, block_cache=view._memo)
+        view._plans = BoundedCache(PLANS_KEPT)
+        view._site = register_site(view)
+        view._slot = site_slot(view._site)
+        return view
 
     # ------------------------------------------------------------------ properties
     @property
@@ -349,7 +404,7 @@ class ContextParallel:
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not _scale_like(softmax_scale):
             self._checked_scale(q, k, v, softmax_scale)  # raises, on every rank alike
         scale = None if softmax_scale is None else float(softmax_scale)
-        out, lse, _saved = attention_op(q, k, v, self._site, scale)
+        out, lse, _saved = attention_op(q, k, v, (self._base or self)._site, self._slot, scale)
         return (out, lse) if return_lse else out
 
     def _checked_scale(self, q, k, v, softmax_scale) -> float:
@@ -483,13 +538,14 @@ class ContextParallel:
             return self._plans.get(key, lambda: self._distribute_plan(q, k))
 
     def _distribute_plan(self, q: torch.Tensor, k: torch.Tensor):
+        keep = self._base is None  # a view's fast plans are not written to the plan cache on disk
         if self.world_size == 1:
-            return planner.get_plan(self._plan_request(q, k))
+            return planner.get_plan(self._plan_request(q, k), cache=keep)
         setup = self._setup  # planning traffic is not attention traffic
         text = None
         if setup.rank == 0:
             try:
-                text = planner.get_plan(self._plan_request(q, k)).to_json()
+                text = planner.get_plan(self._plan_request(q, k), cache=keep).to_json()
             except Exception as exc:  # every rank must hear about it, or they would wait forever
                 text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
         text = _broadcast_text(setup, text, q.device)

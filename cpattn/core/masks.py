@@ -994,6 +994,27 @@ def document(lengths: Sequence[int], causal: bool = True) -> Mask:
     return DocumentMask(tuple(operator.index(n) for n in lengths), causal)
 
 
+def from_cu_seqlens(cu_seqlens, causal: bool = True) -> Mask:
+    """The :func:`document` mask of packed documents given by their cumulative boundaries ``cu_seqlens``
+    (flash-attn's varlen convention: ``[0, l0, l0 + l1, ..., total]``, a list or a 1-D integer tensor,
+    read on the host once). Several rows of a batch, each packed, are one packed sequence: concatenate
+    their documents (rows flattened into the sequence, so no document crosses a row)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        bounds = cu_seqlens.tolist()
+    else:
+        bounds = [operator.index(b) for b in cu_seqlens]
+    if len(bounds) < 2 or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least one document, got {bounds[:8]}")
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if any(n <= 0 for n in lengths):
+        raise ValueError("cu_seqlens must be strictly increasing (every document at least one token), got "
+                         f"{bounds[:8]}{'...' if len(bounds) > 8 else ''}")
+    return document(lengths, causal)
+
+
 def strided(block_size: int, stride: int, local: int = 1, causal: bool = True) -> Mask:
     """See :class:`StridedMask`: a diagonal band of ``local`` blocks plus a band every ``stride`` blocks."""
     return StridedMask(block_size, stride, local, causal)

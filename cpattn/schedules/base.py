@@ -200,7 +200,12 @@ class Schedule:
 # ``cpattn::attention`` is one ``torch.library`` custom op: ``torch.compile`` treats it as a unit (its
 # communication runs eagerly inside, never traced), selective activation checkpointing can keep its
 # outputs, and its backward is a second op. What an op call runs on is named by an int ``site``: an
-# object (a ``ContextParallel``) registered with :func:`register_site` that answers
+# object (a ``ContextParallel``, or one of its per-mask views) registered with :func:`register_site`;
+# ``family`` names the object the site is a view of (itself when it is none), which answers the shapes
+# for the fake implementation. A compiled model sees a new view each step as a new ``site`` value:
+# ``torch.compile`` turns that int into a symbolic one after the first change, and the fake
+# implementation never needs its value, so per-step masks compile once more and then not again. Sites
+# answer
 #   ``prepare(q, k, v, softmax_scale) -> (schedule, runtime)``: checks (and agreement) for a forward;
 #   ``runtime(q, k, softmax_scale) -> (schedule, runtime)``: the same call's runtime, for the backward;
 #   ``world_size``, ``topology``: for the shapes of a schedule's saved tensors.
@@ -236,9 +241,25 @@ def _own(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[
     return owned
 
 
-def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: int, softmax_scale: float | None
+def _slot_site(slot: torch.Tensor) -> Any:
+    """The site a slot names: a 0-d int64 tensor on the host, made by :func:`site_slot` (read without a
+    device: it never lives on one)."""
+    if slot.device.type != "cpu" or slot.dim() != 0:
+        raise ValueError(f"cpattn::attention: the site slot must be a 0-d tensor on the host, got {slot.device} "
+                         f"{tuple(slot.shape)}")
+    return _site(slot.tolist())
+
+
+def site_slot(handle: int) -> torch.Tensor:
+    """The slot tensor ``cpattn::attention`` takes for site ``handle`` (a tensor, so that a compiled model
+    that calls a new view each step sees new data, not a new constant, and is not recompiled)."""
+    return torch.tensor(handle, dtype=torch.int64)
+
+
+def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: int, slot: torch.Tensor,
+                    softmax_scale: float | None
                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    schedule, rt = _site(site).prepare(q, k, v, softmax_scale)
+    schedule, rt = _slot_site(slot).prepare(q, k, v, softmax_scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with memo.scope(rt.block_cache):
         out, lse, *saved = schedule.forward(rt, q, k, v)
@@ -247,16 +268,17 @@ def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: int
 
 
 @torch.library.custom_op("cpattn::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, site: int, softmax_scale: float | None
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: int, slot: torch.Tensor,
+                 softmax_scale: float | None
                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``
     (accumulation dtype) and the tensors the schedule keeps for its backward (Ulysses' head-split ones)."""
-    return _attention_body(q, k, v, site, softmax_scale)
+    return _attention_body(q, k, v, family, slot, softmax_scale)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, site, softmax_scale):
-    owner = _site(site)
+def _attention_fake(q, k, v, family, slot, softmax_scale):
+    owner = _site(family)  # every view of a family has its shapes
     b, s, h, _ = q.shape
     saved = owner.schedule.saved_like(q, k, owner.world_size, owner.topology)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -265,9 +287,9 @@ def _attention_fake(q, k, v, site, softmax_scale):
 
 
 def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             out: torch.Tensor, lse: torch.Tensor, saved: list[torch.Tensor], site: int,
+                             out: torch.Tensor, lse: torch.Tensor, saved: list[torch.Tensor], slot: torch.Tensor,
                              softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    schedule, rt = _site(site).runtime(q, k, softmax_scale)
+    schedule, rt = _slot_site(slot).runtime(q, k, softmax_scale)
     extra = {"saved": tuple(saved)} if saved else {}
     with memo.scope(rt.block_cache):
         dq, dk, dv = schedule.backward(rt, dout.contiguous(), q, k, v, out, lse, **extra)
@@ -277,29 +299,29 @@ def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 @torch.library.custom_op("cpattn::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          lse: torch.Tensor, saved: list[torch.Tensor], site: int, softmax_scale: float | None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          lse: torch.Tensor, saved: list[torch.Tensor], slot: torch.Tensor,
+                          softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq, dk, dv`` (input dtype) of :func:`attention_op`."""
-    return _attention_backward_body(dout, q, k, v, out, lse, saved, site, softmax_scale)
+    return _attention_backward_body(dout, q, k, v, out, lse, saved, slot, softmax_scale)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, saved, site, softmax_scale):
+def _attention_backward_fake(dout, q, k, v, out, lse, saved, slot, softmax_scale):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, site, softmax_scale = inputs
+    q, k, v, _family, slot, softmax_scale = inputs
     out, lse, saved = output
-    ctx.save_for_backward(q, k, v, out, lse, *saved)
-    ctx.site, ctx.softmax_scale = site, softmax_scale
+    ctx.save_for_backward(q, k, v, out, lse, slot, *saved)
+    ctx.softmax_scale = softmax_scale
     ctx.mark_non_differentiable(lse, *saved)
 
 
 def _backward(ctx, dout, _dlse, _dsaved):
-    q, k, v, out, lse, *saved = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, saved, ctx.site, ctx.softmax_scale)
-    return dq, dk, dv, None, None
+    q, k, v, out, lse, slot, *saved = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, saved, slot, ctx.softmax_scale)
+    return dq, dk, dv, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -317,4 +339,4 @@ def op_body(func) -> Callable | None:
 
 
 __all__ = ["Accumulators", "BlockKind", "Run", "Runtime", "Schedule", "Volume", "attend",
-           "attend_backward", "attention_op", "new_accumulators", "op_body", "register_site"]
+           "attend_backward", "attention_op", "new_accumulators", "op_body", "register_site", "site_slot"]
