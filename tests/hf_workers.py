@@ -16,15 +16,25 @@ VOCAB = 128
 
 
 def tiny_config(kind: str = "llama", sliding_window: int | None = None):
-    """A small random config (no download): 2 layers, 4 query heads, 2 key/value heads."""
-    from transformers import LlamaConfig, MistralConfig
+    """A small random config (no download): 2 layers, 4 query heads and 2 key/value heads (llama, mistral)
+    or 12 and 6 of 8 dimensions (the other families, so that 2 and 3 ranks split them). ``gemma3`` has 3
+    layers that alternate sliding-window (``sliding_window`` tokens, default 8) and full attention."""
+    import transformers
 
     sizes = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, max_position_embeddings=256)
     if kind == "llama":
-        return LlamaConfig(**sizes)
+        return transformers.LlamaConfig(**sizes)
     if kind == "mistral":
-        return MistralConfig(sliding_window=sliding_window, **sizes)
+        return transformers.MistralConfig(sliding_window=sliding_window, **sizes)
+    sizes.update(hidden_size=96, num_attention_heads=12, num_key_value_heads=6)  # heads 2 and 3 ranks split
+    if kind == "qwen3":
+        return transformers.Qwen3Config(head_dim=8, **sizes)
+    if kind == "gemma3":
+        sizes["num_hidden_layers"] = 3
+        return transformers.Gemma3TextConfig(head_dim=8, query_pre_attn_scalar=8, sliding_window=sliding_window or 8,
+                                             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                             **sizes)
     raise ValueError(f"unknown model kind {kind!r}")
 
 
@@ -58,7 +68,7 @@ def parity(schedule: str, seq_len: int, seed: int, kind: str = "llama", window: 
     model, ref = model_pair(tiny_config(kind, window), seed)
     ids = torch.randint(0, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(seed + 1))
     mask = "causal"
-    if window is not None:
+    if window is not None and kind == "mistral":  # every layer has the window: the mask says it
         mask = cpattn.masks.sliding_window(window)
     if documents is not None:
         mask = cpattn.masks.document(documents)

@@ -51,6 +51,23 @@ def test_mistral_sliding_window_and_documents_at_cp2(worlds):
           "llama documents [13, 20, 13], seed 7")
 
 
+@pytest.mark.parametrize("kind,schedule,world", [("qwen3", "zigzag_ring", 2), ("qwen3", "ulysses", 3),
+                                                 ("gemma3", "zigzag_ring", 3), ("gemma3", "ulysses", 2)])
+def test_families_match_at_cp2_and_cp3(worlds, kind, schedule, world):
+    """Qwen3 (q/k norms) and Gemma 3 (sliding-window layers between full ones, on one causal
+    ContextParallel: each window layer runs on its view with the window added)."""
+    results = worlds.get(world).run(parity, schedule=schedule, seq_len=42, seed=3, kind=kind, batch=1, timeout=180)
+    check(results, f"{kind} {schedule} CP={world}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,schedule,world", [("qwen3", "ulysses", 2), ("qwen3", "zigzag_ring", 3),
+                                                 ("gemma3", "ulysses", 3), ("gemma3", "zigzag_ring", 2)])
+def test_families_match_the_rest_of_the_matrix(worlds, kind, schedule, world):
+    results = worlds.get(world).run(parity, schedule=schedule, seq_len=42, seed=4, kind=kind, batch=1, timeout=180)
+    check(results, f"{kind} {schedule} CP={world}")
+
+
 def test_import_cpattn_does_not_import_transformers():
     code = "import sys, cpattn, cpattn.integrations.hf; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -119,8 +136,12 @@ def test_disagreements_raise():
     x = ids()
     cp = cpattn.ContextParallel(16, schedule="ring")
     mistral, _ = model_pair(tiny_config("mistral", sliding_window=4), seed=3)
-    with hf.use(cp), pytest.raises(ValueError, match=r"sliding window of 4 tokens.*sliding_window\(4\)"):
+    with hf.use(cpattn.ContextParallel(16, mask=cpattn.masks.sliding_window(6), schedule="ring")), \
+            pytest.raises(ValueError, match=r"sliding window of 4 tokens but the ContextParallel mask has a window of 6"):
         mistral(x, use_cache=False)
+    with hf.use(cp):  # a causal ContextParallel: the window layers run on its view with their window
+        mistral(x, use_cache=False)
+        assert cp.with_mask(cp.mask & cpattn.masks.sliding_window(4)) in cp._views._items.values()
     llama, _ = model_pair(tiny_config(), seed=3)
     with hf.use(cpattn.ContextParallel(16, mask=cpattn.masks.sliding_window(4), schedule="ring")), \
             pytest.raises(ValueError, match="has no sliding window"):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from ..api import ContextParallel
 from ..core.masks import AndMask, DocumentMask, Mask, SlidingWindowMask
+from ..core.masks import sliding_window as sliding_window_mask
 
 #: the ``attn_implementation`` name this module registers
 NAME = "cpattn"
@@ -93,8 +95,16 @@ def active() -> ContextParallel | None:
     return _ACTIVE.get()
 
 
-def _require_active() -> ContextParallel:
+def _require_active(module: torch.nn.Module) -> ContextParallel:
+    """The active ContextParallel, remembered on ``module``. A layer recomputed inside a backward
+    (gradient checkpointing) on a thread that does not see :func:`use` (autograd's device threads, a
+    backward run on another thread) gets the ContextParallel of its own last forward."""
     cp = _ACTIVE.get()
+    if cp is not None:
+        module.__dict__["_cpattn_context"] = weakref.ref(cp)  # not a submodule, parameter or buffer
+        return cp
+    ref = module.__dict__.get("_cpattn_context")
+    cp = ref() if ref is not None and torch._C._current_autograd_node() is not None else None
     if cp is None:
         raise RuntimeError(f"a model with attn_implementation={NAME!r} was called outside "
                            "cpattn.integrations.hf.use(cp): wrap the forward and backward in `with use(cp):`")
@@ -121,22 +131,34 @@ def _and_parts(mask: Mask) -> list[Mask]:
     return [mask]
 
 
-def _check_mask(cp: ContextParallel, module: torch.nn.Module, is_causal: bool, sliding_window: int | None) -> None:
-    """Raise when the layer's causality or sliding window disagrees with ``cp.mask``."""
+def _layer_context(cp: ContextParallel, module: torch.nn.Module, is_causal: bool,
+                   sliding_window: int | None) -> ContextParallel:
+    """The ContextParallel a layer runs on: ``cp`` when its mask is what the layer asks for, else the view
+    of ``cp`` (``with_mask``, cached per window) whose mask adds the layer's sliding window, so models that
+    alternate window and full layers (Gemma 3, gpt-oss, Mistral-style hybrids) run on one ContextParallel.
+    Raises when the layer's causality disagrees with the mask, or when the mask already has a window and
+    the layer asks for another or for none."""
     where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
-    if is_causal != cp.mask.is_causal:
+    base = cp  # the active one: a per-step view (documents) keeps its mask, the layer adds its window
+    if is_causal != base.mask.is_causal:
         kind = "causal" if is_causal else "bidirectional"
-        raise ValueError(f"{where} is {kind} but the ContextParallel mask {cp.mask.name!r} is "
-                         f"{'causal' if cp.mask.is_causal else 'not causal'}; build the ContextParallel with a "
+        raise ValueError(f"{where} is {kind} but the ContextParallel mask {base.mask.name!r} is "
+                         f"{'causal' if base.mask.is_causal else 'not causal'}; build the ContextParallel with a "
                          f"{kind} mask")
-    windows = [m.window for m in _and_parts(cp.mask) if isinstance(m, SlidingWindowMask)]
-    if sliding_window is None and windows:
-        raise ValueError(f"{where} has no sliding window but the ContextParallel mask {cp.mask.name!r} has one "
-                         f"({windows[0]} tokens)")
-    if sliding_window is not None and sliding_window not in windows:
+    windows = [m.window for m in _and_parts(base.mask) if isinstance(m, SlidingWindowMask)]
+    if sliding_window is None:
+        if windows:
+            raise ValueError(f"{where} has no sliding window but the ContextParallel mask {base.mask.name!r} has "
+                             f"one ({windows[0]} tokens); build it without the window: each window layer gets "
+                             "its own view of it")
+        return base
+    if sliding_window in windows:
+        return base
+    if windows:
         raise ValueError(f"{where} attends a sliding window of {sliding_window} tokens but the ContextParallel "
-                         f"mask is {cp.mask.name!r}; build it with mask=cpattn.masks.sliding_window"
-                         f"({sliding_window}) (one ContextParallel cannot serve layers with different windows)")
+                         f"mask has a window of {windows[0]}; build it without a window "
+                         "(e.g. mask='causal'): each window layer then gets its own view")
+    return base.with_mask(base.mask & sliding_window_mask(sliding_window, causal=is_causal))
 
 
 def _check_positions(cp: ContextParallel, position_ids: torch.Tensor | None) -> None:
@@ -171,7 +193,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention function for ``"cpattn"``: local ``query [b, h, s, d]``, ``key, value
     [b, h_kv, s, d]`` (key/value heads not repeated) -> ``(out [b, s, h, d], None)`` through the active
     ContextParallel's ``attention``. ``scaling`` is the softmax scale."""
-    cp = _require_active()
+    cp = _require_active(module)
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={NAME!r} got a prepared attention mask of shape "
                          f"{tuple(attention_mask.shape)}: cpattn applies the ContextParallel's mask and cannot honour "
@@ -192,9 +214,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"the layer got {query.shape[2]} tokens but the ContextParallel holds {cp.local_len} per rank "
                          f"(seq_len={cp.seq_len}, padding included): pass inputs sharded by cp.shard(x, dim=1)")
     is_causal = kwargs.get("is_causal")
-    _check_mask(cp, module, getattr(module, "is_causal", True) if is_causal is None else bool(is_causal),
-                kwargs.get("sliding_window"))
-    _check_positions(cp, kwargs.get("position_ids"))
+    active = cp
+    cp = _layer_context(cp, module, getattr(module, "is_causal", True) if is_causal is None else bool(is_causal),
+                        kwargs.get("sliding_window"))
+    _check_positions(active if cp.layout == active.layout else cp, kwargs.get("position_ids"))
     out = cp.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling)
     return out, None
 
