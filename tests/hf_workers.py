@@ -5,6 +5,7 @@ sequence in one process."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 import torch.distributed as dist
@@ -59,13 +60,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def parity(schedule: str, seq_len: int, seed: int, kind: str = "llama", window: int | None = None,
-           documents: list[int] | None = None, batch: int = 2) -> dict[str, float]:
+           documents: list[int] | None = None, batch: int = 2, checkpoint: str | None = None,
+           backward_thread: bool = False) -> dict[str, float]:
     """Forward and backward of the model at CP = the world size against the sdpa model on one process.
 
     ``documents``: lengths of packed documents (mask ``cpattn.masks.document``, positions restart in each
     document); the reference runs each document on its own. ``window``: a Mistral sliding window. Returns
-    the relative errors of the logits, the loss and the parameter gradients (the worst parameter)."""
+    the relative errors of the logits, the loss and the parameter gradients (the worst parameter).
+    ``checkpoint``: "reentrant" or "non_reentrant" gradient checkpointing of the cpattn model's layers;
+    ``backward_thread``: run its backward on a new thread, outside ``hf.use`` (the recomputed layers must
+    still find their ContextParallel)."""
     model, ref = model_pair(tiny_config(kind, window), seed)
+    if checkpoint is not None:
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpoint == "reentrant"})
     ids = torch.randint(0, VOCAB, (batch, seq_len), generator=torch.Generator().manual_seed(seed + 1))
     mask = "causal"
     if window is not None and kind == "mistral":  # every layer has the window: the mask says it
@@ -85,7 +93,22 @@ def parity(schedule: str, seq_len: int, seed: int, kind: str = "llama", window: 
     with hf.use(cp):
         logits = model(cp.shard(ids, dim=1), position_ids=positions[None], use_cache=False).logits
         loss = hf.causal_lm_loss(logits, labels, cp)
-        loss.backward()
+        if not backward_thread:
+            loss.backward()
+    if backward_thread:
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                loss.backward()
+            except BaseException as exc:  # noqa: BLE001 (re-raised on the caller's thread)
+                failed.append(exc)
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+        if failed:
+            raise failed[0]
     total = loss.detach().clone()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     if cp.world_size > 1:

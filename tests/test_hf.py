@@ -60,6 +60,16 @@ def test_families_match_at_cp2_and_cp3(worlds, kind, schedule, world):
     check(results, f"{kind} {schedule} CP={world}")
 
 
+@pytest.mark.parametrize("checkpoint,backward_thread", [("reentrant", True), ("non_reentrant", True),
+                                                        ("non_reentrant", False)])
+def test_gradient_checkpointing_in_any_thread(worlds, checkpoint, backward_thread):
+    """Layers recomputed in the backward, which runs on a thread that never entered hf.use(cp), still
+    attend through their ContextParallel and give the reference's gradients."""
+    results = worlds.get(2).run(parity, schedule="zigzag_ring", seq_len=24, seed=9, batch=1, checkpoint=checkpoint,
+                                backward_thread=backward_thread, timeout=120)
+    check(results, f"llama checkpoint={checkpoint} backward thread={backward_thread}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,schedule,world", [("qwen3", "ulysses", 2), ("qwen3", "zigzag_ring", 3),
                                                  ("gemma3", "ulysses", 3), ("gemma3", "zigzag_ring", 2)])
