@@ -133,3 +133,38 @@ def parity(schedule: str, seq_len: int, seed: int, kind: str = "llama", window: 
         "loss": rel(total, ref_loss.detach()),
         "grads": max(rel(grads[n], p.grad) for n, p in ref.named_parameters()),
     }
+
+
+def packed_parity(schedule: str, lengths: list[int], seq_len: int, seed: int) -> dict[str, float]:
+    """A ``DataCollatorWithFlattening`` batch of documents of ``lengths`` (with the flash-attn keyword
+    arguments) through the model at CP = the world size, via ``hf.packed``, against each document run
+    alone through the sdpa model: its logits, the token-weighted mean loss and its gradients."""
+    from transformers import DataCollatorWithFlattening
+
+    model, ref = model_pair(tiny_config("llama"), seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    docs = [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])
+    cp = cpattn.ContextParallel(seq_len, mask="causal", schedule=schedule)
+    view, full = hf.packed(cp, batch)
+    extra = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    with hf.use(view):
+        logits = model(view.shard(full["input_ids"], dim=1), position_ids=view.shard(full["position_ids"], dim=1),
+                       use_cache=False, **extra).logits
+        loss = hf.causal_lm_loss(logits, full["labels"], view)
+        loss.backward()
+    total = loss.detach().clone()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if cp.world_size > 1:
+        dist.all_reduce(total)
+        for g in grads.values():
+            dist.all_reduce(g)
+    logits_full = view.unshard(logits.detach(), dim=1)[:, :sum(lengths)]
+    outs = [ref(d[None], use_cache=False).logits for d in docs]
+    ref_logits = torch.cat(outs, dim=1)
+    labels = torch.cat([hf.shift_labels(d[None]) for d in docs], dim=1)
+    ref_loss = torch.nn.functional.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(),
+                                                 ignore_index=hf.IGNORE_INDEX)
+    ref_loss.backward()
+    return {"logits": rel(logits_full, ref_logits.detach()), "loss": rel(total, ref_loss.detach()),
+            "grads": max(rel(grads[n], p.grad) for n, p in ref.named_parameters())}

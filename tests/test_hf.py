@@ -20,7 +20,7 @@ try:
 except ImportError as exc:  # fail loudly: a silent skip would hide a missing integration test
     raise ImportError("tests/test_hf.py needs transformers: pip install -e '.[test,hf]' (make test does)") from exc
 
-from hf_workers import VOCAB, model_pair, parity, tiny_config
+from hf_workers import VOCAB, model_pair, packed_parity, parity, tiny_config
 
 from cpattn.integrations import hf
 
@@ -68,6 +68,30 @@ def test_gradient_checkpointing_in_any_thread(worlds, checkpoint, backward_threa
     results = worlds.get(2).run(parity, schedule="zigzag_ring", seq_len=24, seed=9, batch=1, checkpoint=checkpoint,
                                 backward_thread=backward_thread, timeout=120)
     check(results, f"llama checkpoint={checkpoint} backward thread={backward_thread}")
+
+
+def test_a_flattened_batch_gives_each_document_its_own_logits(worlds):
+    """DataCollatorWithFlattening (position_ids restarting per document, cu_seq_lens keywords) through
+    hf.packed at CP=2: each document's logits are those of the document alone, the loss is the
+    token-weighted mean over the documents and the gradients are that mean's."""
+    results = worlds.get(2).run(packed_parity, schedule="zigzag_ring", lengths=[9, 1, 14, 6], seq_len=36, seed=2,
+                                timeout=120)
+    check(results, "packed documents [9, 1, 14, 6] in 36 tokens")
+
+
+def test_packed_refuses_what_it_cannot_read():
+    cp = cpattn.ContextParallel(8, schedule="ring")
+    ids = torch.arange(6)[None]
+    with pytest.raises(ValueError, match="restart at 0"):
+        hf.packed(cp, {"input_ids": ids, "position_ids": torch.tensor([[1, 2, 3, 0, 1, 2]])})
+    with pytest.raises(ValueError, match="more than the ContextParallel's seq_len=8"):
+        hf.packed(cp, {"input_ids": torch.arange(9)[None], "position_ids": torch.arange(9)[None]})
+    with pytest.raises(ValueError, match="cu_seq_lens_q does not match"):
+        hf.packed(cp, {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]]),
+                       "cu_seq_lens_q": torch.tensor([0, 2, 6])})
+    view, batch = hf.packed(cp, {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]]),
+                                 "labels": ids})
+    assert view.mask == cpattn.masks.document([3, 3, 2]) and batch["labels"][0, 6:].tolist() == [-100, -100]
 
 
 @pytest.mark.slow
@@ -147,7 +171,7 @@ def test_disagreements_raise():
     cp = cpattn.ContextParallel(16, schedule="ring")
     mistral, _ = model_pair(tiny_config("mistral", sliding_window=4), seed=3)
     with hf.use(cpattn.ContextParallel(16, mask=cpattn.masks.sliding_window(6), schedule="ring")), \
-            pytest.raises(ValueError, match=r"sliding window of 4 tokens but the ContextParallel mask has a window of 6"):
+            pytest.raises(ValueError, match=r"window of 4 tokens but the ContextParallel mask has a window of 6"):
         mistral(x, use_cache=False)
     with hf.use(cp):  # a causal ContextParallel: the window layers run on its view with their window
         mistral(x, use_cache=False)

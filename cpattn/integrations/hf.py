@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..api import ContextParallel
 from ..core.masks import AndMask, DocumentMask, Mask, SlidingWindowMask
+from ..core.masks import document as document_mask
 from ..core.masks import sliding_window as sliding_window_mask
 
 #: the ``attn_implementation`` name this module registers
@@ -45,10 +46,13 @@ _ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar
 #: its layers, so it is checked once per forward
 _CHECKED_POSITIONS: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("cpattn_hf_checked_positions",
                                                                                   default=None)
+#: the ContextParallel and ``cu_seq_lens_q`` tensor last found to be its documents
+_CHECKED_CU: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("cpattn_hf_checked_cu", default=None)
 
 #: keyword arguments of transformers' attention functions that change the result and that cpattn does not
 #: implement, with what to do instead
-_PACKING = "packed sequences are expressed with the mask: ContextParallel(mask=cpattn.masks.document(lengths))"
+_PACKING = ("packed sequences are expressed with the mask: view, batch = cpattn.integrations.hf.packed(cp, batch) "
+            "gives the step's view with their document mask")
 _UNSUPPORTED_KWARGS = {
     "softcap": "attention logit soft-capping is not supported",
     "s_aux": "attention sinks are not supported",
@@ -161,6 +165,21 @@ def _layer_context(cp: ContextParallel, module: torch.nn.Module, is_causal: bool
     return base.with_mask(base.mask & sliding_window_mask(sliding_window, causal=is_causal))
 
 
+def _packed_by(cp: ContextParallel, cu_seq_lens) -> bool:
+    """Whether ``cu_seq_lens`` (a packed batch's document boundaries, as transformers passes them) are the
+    documents of ``cp``'s mask, the filler document of :func:`packed` aside. Checked once per tensor."""
+    checked = _CHECKED_CU.get()
+    if checked is not None and checked[0] is cp and checked[1] is cu_seq_lens:
+        return True
+    ends = [int(x) for x in cu_seq_lens][1:]
+    docs = [m for m in _and_parts(cp.mask) if isinstance(m, DocumentMask)]
+    ok = bool(docs) and list(docs[0]._end_list[:len(ends)]) == ends and \
+        len(docs[0].lengths) - len(ends) in (0, 1) and bool(ends)
+    if ok:
+        _CHECKED_CU.set((cp, cu_seq_lens))
+    return ok
+
+
 def _check_positions(cp: ContextParallel, position_ids: torch.Tensor | None) -> None:
     """Raise unless ``position_ids`` ``[1 or b, local_len]`` hold each local token's global position
     (``cp.positions()``), or its position inside its document for document masks; padding tokens may
@@ -202,7 +221,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise NotImplementedError(f"attention dropout ({dropout}) is not supported by cpattn: set the config's "
                                   "attention_dropout to 0.0, or call model.eval()")
     for name, why in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
+        if kwargs.get(name) is not None and not (name.startswith("cu_seq_lens") and _packed_by(cp, kwargs[name])):
             raise NotImplementedError(f"attn_implementation={NAME!r}: {name}: {why}")
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"attn_implementation={NAME!r} computes no attention weights: "
@@ -220,6 +239,50 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     _check_positions(active if cp.layout == active.layout else cp, kwargs.get("position_ids"))
     out = cp.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling)
     return out, None
+
+
+def packed(cp: ContextParallel, batch: dict, pad_id: int = 0) -> tuple[ContextParallel, dict]:
+    """One step of packed documents, as transformers' ``DataCollatorWithFlattening`` makes them: ``batch``
+    holds ``input_ids`` ``[1, n]`` and ``position_ids`` ``[1, n]`` restarting at 0 in each document (and
+    usually ``labels``, -100 at each document's first token), ``n <= cp.seq_len``. Returns this step's
+    view of ``cp`` (``with_mask``: the document mask of those lengths, with ``cp``'s window if it has
+    one) and the batch filled up to ``seq_len`` with one more document of ``pad_id`` tokens whose labels
+    are ignored (it attends only itself, so it changes nothing else). Reads the positions on the host
+    once. ``cu_seq_lens_q/k`` and ``max_length_q/k`` (``return_flash_attn_kwargs=True``) are checked
+    against the positions and left out::
+
+        view, batch = hf.packed(cp, collator(examples))
+        with hf.use(view):
+            logits = model(view.shard(batch["input_ids"]), position_ids=view.shard(batch["position_ids"]),
+                           use_cache=False).logits
+            hf.causal_lm_loss(logits, batch["labels"], view).backward()
+    """
+    base = cp._base or cp
+    ids, pos = batch.get("input_ids"), batch.get("position_ids")
+    if not isinstance(ids, torch.Tensor) or not isinstance(pos, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 \
+            or pos.shape != ids.shape:
+        raise ValueError("packed: batch needs input_ids and position_ids of shape [1, n] (DataCollatorWithFlattening)")
+    n = ids.shape[1]
+    if n > base.seq_len:
+        raise ValueError(f"packed: the batch holds {n} tokens, more than the ContextParallel's seq_len={base.seq_len}")
+    values = pos[0].tolist()
+    starts = [i for i, p in enumerate(values) if p == 0]
+    if not starts or starts[0] != 0 or any(p != values[i - 1] + 1 for i, p in enumerate(values) if i and p):
+        raise ValueError("packed: position_ids must restart at 0 at each document and count up inside it, e.g. "
+                         "[0, 1, 2, 0, 1]")
+    lengths = [b - a for a, b in zip(starts, [*starts[1:], n])]
+    cu = batch.get("cu_seq_lens_q")
+    if cu is not None and [int(x) for x in cu] != [0, *torch.tensor(lengths).cumsum(0).tolist()]:
+        raise ValueError("packed: cu_seq_lens_q does not match the documents of position_ids")
+    fill = base.seq_len - n
+    out = {"input_ids": torch.cat([ids, ids.new_full((1, fill), pad_id)], 1),
+           "position_ids": torch.cat([pos, torch.arange(fill, dtype=pos.dtype, device=pos.device)[None]], 1)}
+    labels = batch.get("labels")
+    if labels is not None:
+        out["labels"] = torch.cat([labels, labels.new_full((1, fill), IGNORE_INDEX)], 1)
+    documents = document_mask(lengths + ([fill] if fill else []), causal=base.mask.is_causal)
+    plain = base.mask.name in ("causal", "full")
+    return base.with_mask(documents if plain else base.mask & documents), out
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
