@@ -107,6 +107,16 @@ def _broadcast_text(comm: Communicator, text: str | None, device: torch.device) 
     return data.cpu().numpy().tobytes().decode()
 
 
+def _check_sinks(sinks, q: torch.Tensor) -> None:
+    """Raise unless ``sinks`` is a floating tensor of one logit per query head, on q's device."""
+    if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+        raise TypeError(f"sinks must be a floating torch.Tensor [heads], got {type(sinks).__name__}"
+                        + (f" of {sinks.dtype}" if isinstance(sinks, torch.Tensor) else ""))
+    if tuple(sinks.shape) != (q.shape[2],) or sinks.device != q.device:
+        raise ValueError(f"sinks must have shape [{q.shape[2]}] (one logit per query head) on {q.device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+
+
 def _scale_like(softmax_scale) -> bool:
     """Whether ``softmax_scale`` can travel into the op (None or a real number; its value is checked
     there)."""
@@ -394,9 +404,13 @@ class ContextParallel:
         return float(softmax_scale)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                  return_lse: bool = False):
+                  return_lse: bool = False, sinks: torch.Tensor | None = None):
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` in this schedule's layout -> local ``out``
         (and ``lse [b, h, s]`` float32 with ``return_lse``). Differentiable in q, k, v.
+
+        ``sinks [h]``: attention sinks (gpt-oss's ``s_aux``), one logit per query head that joins every
+        row's softmax as a key with no value; merged exactly on each row's owner, and differentiable
+        (its gradient sums this rank's rows, as every parameter's does under context parallelism).
 
         One ``torch.library`` custom op, ``cpattn::attention`` (its backward: ``cpattn::attention_backward``):
         ``torch.compile(..., fullgraph=True)`` compiles a model that calls it, and selective activation
@@ -404,7 +418,11 @@ class ContextParallel:
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not _scale_like(softmax_scale):
             self._checked_scale(q, k, v, softmax_scale)  # raises, on every rank alike
         scale = None if softmax_scale is None else float(softmax_scale)
-        out, lse, _saved = attention_op(q, k, v, (self._base or self)._site, self._slot, scale)
+        if sinks is not None:
+            _check_sinks(sinks, q)
+        else:
+            sinks = q.new_empty(0, dtype=torch.float32)  # none
+        out, lse, _saved = attention_op(q, k, v, (self._base or self)._site, self._slot, scale, sinks)
         return (out, lse) if return_lse else out
 
     def _checked_scale(self, q, k, v, softmax_scale) -> float:

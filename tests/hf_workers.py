@@ -1,5 +1,5 @@
 """Functions the Hugging Face tests run on worker processes: a tiny random transformers model with
-``attn_implementation="cpattn"`` on every rank against the same weights with ``"sdpa"`` on the whole
+``attn_implementation="cpattn"`` on every rank against the same weights with ``"eager"`` on the whole
 sequence in one process."""
 
 from __future__ import annotations
@@ -36,18 +36,23 @@ def tiny_config(kind: str = "llama", sliding_window: int | None = None):
         return transformers.Gemma3TextConfig(head_dim=8, query_pre_attn_scalar=8, sliding_window=sliding_window or 8,
                                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                              **sizes)
+    if kind == "gpt_oss":  # sinks, window and full layers, a mixture of experts
+        return transformers.GptOssConfig(head_dim=8, sliding_window=sliding_window or 8, num_local_experts=4,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                         num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+                                         **sizes)
     raise ValueError(f"unknown model kind {kind!r}")
 
 
 def model_pair(config, seed: int):
-    """``(cpattn model, sdpa model)`` with the same random weights. Each gets its own copy of the config:
+    """``(cpattn model, eager model)`` with the same random weights. Each gets its own copy of the config:
     ``from_config`` writes the implementation into the config object it is given."""
     from transformers import AutoModelForCausalLM
 
     hf.register()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="cpattn")
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
     ref.load_state_dict(model.state_dict())
     return model, ref
 

@@ -48,6 +48,7 @@ class Runtime:
     topology: Topology | None = None  # nodes x devices per node, when the schedule should use it
     seq_len: int | None = None  # the real tokens (None: padded_len); positions >= seq_len are padding
     plan: Any = None  # planned schedules (``ultra``): the cpattn.planner.Plan of this call
+    sinks: torch.Tensor | None = None  # per-head sink logits ``[h]`` of this call (None: no sinks)
     block_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
     batch_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
 

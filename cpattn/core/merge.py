@@ -27,6 +27,25 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     lse.copy_(new_lse)
 
 
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final ``(out, lse)`` of rows that also attend a per-head *sink*: a key with logit ``sinks[h]`` and
+    no value (gpt-oss's ``s_aux``), merged in last on the row's owner: ``lse' = logaddexp(lse, sink)``
+    and ``out' = out * exp(lse - lse')``. ``out [b, s, h, d]``, ``lse [b, h, s]`` (accumulation dtype),
+    ``sinks [h]``. A row that saw no key keeps out 0 (its lse becomes the sink's)."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    total = torch.logaddexp(lse, sink)
+    return out * _row_weight(lse, total).to(out.dtype), total
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Gradient of the sink logits ``sinks [h]`` over these rows, from the final ``out`` and ``lse`` (with
+    the sinks) and ``dout``: ``-sum_rows exp(sink - lse) * rowsum(dout * out)`` (the sink's probability
+    times the row's ``D``; the sink has no value, so its ``dP`` is 0)."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(1, 2)  # [b, h, s]
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 def merge_weights(out: torch.Tensor, lse: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The terms one rank adds to a distributed merge, given ``m``, the maximum of every rank's
     ``lse``: ``num = out * den`` ``[b, s, h, d]`` and ``den = exp(lse - m)`` ``[b, s, h, 1]``

@@ -14,8 +14,12 @@ with ``attn_implementation="cpattn"`` then runs every attention layer through th
 The mask is the ContextParallel's: the model's own masks are never built (the mask hook of ``"cpattn"``
 returns None), and what cpattn cannot honour raises instead of being dropped: a padding
 ``attention_mask``, a custom 4-D mask, a model's extra mask functions, attention dropout, soft-capping,
-sinks, packed-sequence keyword arguments, a key/value cache, a causal or sliding-window setting of the
-layer that the mask disagrees with, and ``position_ids`` that are not the tokens' global positions.
+packed-sequence keyword arguments that are not the mask's documents (:func:`packed` makes the view that
+matches them), a key/value cache, a causal setting or a window that the mask disagrees with, and
+``position_ids`` that are not the tokens' global positions. Each layer runs on the mask it asks for: a
+sliding-window layer on the view of the ContextParallel with its window added (Gemma 3, gpt-oss,
+Mistral-style hybrids); attention sinks (gpt-oss's ``s_aux``) are merged exactly; a layer recomputed by
+gradient checkpointing finds its ContextParallel on any thread.
 
 ``transformers`` is imported by :func:`register` only, never by ``import cpattn``.
 """
@@ -55,8 +59,6 @@ _PACKING = ("packed sequences are expressed with the mask: view, batch = cpattn.
             "gives the step's view with their document mask")
 _UNSUPPORTED_KWARGS = {
     "softcap": "attention logit soft-capping is not supported",
-    "s_aux": "attention sinks are not supported",
-    "sinks": "attention sinks are not supported",
     "position_bias": "additive position biases are not supported",
     "cu_seq_lens_q": _PACKING,
     "cu_seq_lens_k": _PACKING,
@@ -237,7 +239,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     cp = _layer_context(cp, module, getattr(module, "is_causal", True) if is_causal is None else bool(is_causal),
                         kwargs.get("sliding_window"))
     _check_positions(active if cp.layout == active.layout else cp, kwargs.get("position_ids"))
-    out = cp.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: one sink logit per query head
+    out = cp.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling,
+                       sinks=sinks)
     return out, None
 
 

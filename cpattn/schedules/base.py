@@ -27,6 +27,7 @@ from ..core import memo
 from ..core.executor import Accumulators, Run, Runtime, attend, attend_backward, execute, new_accumulators
 from ..core.kernels import acc_dtype
 from ..core.masks import BlockKind, Mask
+from ..core.merge import sink_grad, with_sinks
 from ..core.pairs import PairWork, pair_work
 from ..core.steps import PHASES, Problem, Step, group_size
 from ..core.topology import Topology
@@ -118,7 +119,7 @@ class Schedule:
         ``backward`` as ``saved=`` (e.g. Ulysses keeps its head-split tensors)."""
         steps = self._steps(rt, q, k, "forward")
         roles = execute(rt, steps, {"q": q, "kv0": (k, v)}, partial(self.blocks_of, rt), keep=("out",))
-        return roles["out"].out.to(q.dtype), roles["out"].lse
+        return finish(rt, roles["out"].out, roles["out"].lse, q.dtype)
 
     def backward(self, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,6 +242,14 @@ def _own(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[
     return owned
 
 
+def finish(rt: Runtime, out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's final ``(out in dtype, lse)`` from its accumulators: the call's sinks merged in
+    (``cpattn.core.merge.with_sinks``) when it has them, on the rows' owner."""
+    if rt.sinks is not None:
+        out, lse = with_sinks(out, lse, rt.sinks)
+    return out.to(dtype), lse
+
+
 def _slot_site(slot: torch.Tensor) -> Any:
     """The site a slot names: a 0-d int64 tensor on the host, made by :func:`site_slot` (read without a
     device: it never lives on one)."""
@@ -257,9 +266,11 @@ def site_slot(handle: int) -> torch.Tensor:
 
 
 def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: int, slot: torch.Tensor,
-                    softmax_scale: float | None
+                    softmax_scale: float | None, sinks: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     schedule, rt = _slot_site(slot).prepare(q, k, v, softmax_scale)
+    if sinks.numel():
+        rt = dataclasses.replace(rt, sinks=sinks)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with memo.scope(rt.block_cache):
         out, lse, *saved = schedule.forward(rt, q, k, v)
@@ -269,15 +280,16 @@ def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: i
 
 @torch.library.custom_op("cpattn::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: int, slot: torch.Tensor,
-                 softmax_scale: float | None
+                 softmax_scale: float | None, sinks: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``
-    (accumulation dtype) and the tensors the schedule keeps for its backward (Ulysses' head-split ones)."""
-    return _attention_body(q, k, v, family, slot, softmax_scale)
+    (accumulation dtype) and the tensors the schedule keeps for its backward (Ulysses' head-split ones).
+    ``sinks [h]``: per-head sink logits merged into every row (``merge.with_sinks``); empty for none."""
+    return _attention_body(q, k, v, family, slot, softmax_scale, sinks)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, family, slot, softmax_scale):
+def _attention_fake(q, k, v, family, slot, softmax_scale, sinks):
     owner = _site(family)  # every view of a family has its shapes
     b, s, h, _ = q.shape
     saved = owner.schedule.saved_like(q, k, owner.world_size, owner.topology)
@@ -288,40 +300,48 @@ def _attention_fake(q, k, v, family, slot, softmax_scale):
 
 def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, saved: list[torch.Tensor], slot: torch.Tensor,
-                             softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             softmax_scale: float | None, sinks: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     schedule, rt = _slot_site(slot).runtime(q, k, softmax_scale)
+    if sinks.numel():
+        rt = dataclasses.replace(rt, sinks=sinks)
     extra = {"saved": tuple(saved)} if saved else {}
-    with memo.scope(rt.block_cache):
-        dq, dk, dv = schedule.backward(rt, dout.contiguous(), q, k, v, out, lse, **extra)
-    dq, dk, dv = _own([dq, dk, dv], (dout, q, k, v, out, lse, *saved))
-    return dq, dk, dv
+    dout = dout.contiguous()
+    with memo.scope(rt.block_cache):  # out and lse are final (sinks merged in): the kernels' P and D are exact
+        dq, dk, dv = schedule.backward(rt, dout, q, k, v, out, lse, **extra)
+    dsinks = sink_grad(dout, out, lse, sinks) if sinks.numel() else torch.empty_like(sinks)
+    dq, dk, dv, dsinks = _own([dq, dk, dv, dsinks], (dout, q, k, v, out, lse, *saved))
+    return dq, dk, dv, dsinks
 
 
 @torch.library.custom_op("cpattn::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, saved: list[torch.Tensor], slot: torch.Tensor,
-                          softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``dq, dk, dv`` (input dtype) of :func:`attention_op`."""
-    return _attention_backward_body(dout, q, k, v, out, lse, saved, slot, softmax_scale)
+                          softmax_scale: float | None, sinks: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``dq, dk, dv`` (input dtype) of :func:`attention_op`, and of ``sinks`` over this rank's
+    rows (empty without sinks)."""
+    return _attention_backward_body(dout, q, k, v, out, lse, saved, slot, softmax_scale, sinks)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, saved, slot, softmax_scale):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+def _attention_backward_fake(dout, q, k, v, out, lse, saved, slot, softmax_scale, sinks):
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    return (*grads, torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, _family, slot, softmax_scale = inputs
+    q, k, v, _family, slot, softmax_scale, sinks = inputs
     out, lse, saved = output
-    ctx.save_for_backward(q, k, v, out, lse, slot, *saved)
+    ctx.save_for_backward(q, k, v, out, lse, slot, sinks, *saved)
     ctx.softmax_scale = softmax_scale
     ctx.mark_non_differentiable(lse, *saved)
 
 
 def _backward(ctx, dout, _dlse, _dsaved):
-    q, k, v, out, lse, slot, *saved = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, saved, slot, ctx.softmax_scale)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, slot, sinks, *saved = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_backward_op(dout, q, k, v, out, lse, saved, slot, ctx.softmax_scale, sinks)
+    return dq, dk, dv, None, None, None, dsinks if sinks.numel() else None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

@@ -51,7 +51,7 @@ from ..core.kernels import acc_dtype
 from ..core.masks import BlockKind
 from ..core.merge import merge_into
 from ..core.steps import CommOp, Local, Step
-from .base import Runtime, Schedule, attend, attend_backward, new_accumulators
+from .base import Runtime, Schedule, attend, attend_backward, finish, new_accumulators
 
 TAGS = {"forward": 0, "backward": 1}
 
@@ -437,7 +437,7 @@ class UltraSchedule(Schedule):
         out = torch.zeros(b, s, h, d, dtype=acc, device=q.device)
         lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
         _Program(rt, plan, "forward", {"q": q, "k": k, "v": v}, {"out": out, "lse": lse}).run()
-        return out.to(q.dtype), lse
+        return finish(rt, out, lse, q.dtype)
 
     def backward(self, rt: Runtime, dout, q, k, v, out, lse):
         plan = self._plan(rt)

@@ -35,6 +35,7 @@ import torch
 from ..core.executor import execute
 from ..core.kernels import acc_dtype
 from ..core.layout import grouped
+from ..core.merge import with_sinks
 from ..core.pairs import head_split, pair_work
 from ..core.steps import CommOp, Local, Problem, Step
 from ..core.topology import Topology
@@ -63,7 +64,8 @@ def _replicated(plan: list[list[int]], kv_heads: int) -> bool:
     return sum(len(p) for p in plan) != kv_heads
 
 
-def transforms(q: torch.Tensor, k: torch.Tensor, degree: int) -> dict[str, Callable[[Any], Any]]:
+def transforms(q: torch.Tensor, k: torch.Tensor, degree: int, sinks: torch.Tensor | None = None,
+               member: int = 0) -> dict[str, Callable[[Any], Any]]:
     """The local rearrangements of a head split among ``degree`` members (the :class:`~cpattn.core.steps.Local`
     actions of :func:`head_split_steps`), for local ``q [b, s, h, d]`` and ``k [b, s, h_kv, d]``. An
     exchange sends slice j of its ``*_pack`` output to member j and the ``*_unpack`` of what arrives
@@ -77,11 +79,23 @@ def transforms(q: torch.Tensor, k: torch.Tensor, degree: int) -> dict[str, Calla
       D*s]`` -> ``[b, H, s]``;
     - ``dkv``: the inverse of ``kv`` for float32 gradients, in :func:`dkv_dtype`, summing the copies
       of a kv head that went to several members;
-    - ``out_h``, ``lse_h``: output accumulators -> the head-split ``out`` (input dtype) and ``lse``;
-      ``dq_h``: float32 dq -> the input dtype."""
+    - ``out_h``, ``lse_h``: output accumulators -> the head-split ``out`` (input dtype) and ``lse``,
+      with the sinks of this ``member``'s heads merged in (``sinks [H]``, when given); ``dq_h``: float32
+      dq -> the input dtype."""
     n, dtype, hk = degree, q.dtype, k.shape[2]
     plan = kv_plan(q.shape[2], hk, n)
     heads = torch.tensor([h for p in plan for h in p], device=q.device)
+
+    mine = None if sinks is None else sinks.reshape(n, -1)[member]  # the sinks of this member's heads
+    finals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def final(acc):
+        """The accumulators' (out, lse), with this member's sinks merged in once."""
+        if mine is None:
+            return acc.out, acc.lse
+        if id(acc) not in finals:
+            finals[id(acc)] = with_sinks(acc.out, acc.lse, mine)
+        return finals[id(acc)]
 
     def heads_pack(x):
         b, s, h, d = x.shape
@@ -130,8 +144,8 @@ def transforms(q: torch.Tensor, k: torch.Tensor, degree: int) -> dict[str, Calla
 
     return {"heads_pack": heads_pack, "heads_unpack": heads_unpack, "kv_pack": kv_pack, "kv_unpack": kv_unpack,
             "seq_pack": seq_pack, "seq_unpack": seq_unpack, "lse_pack": lse_pack, "lse_unpack": lse_unpack,
-            "dkv_pack": dkv_pack, "dkv_unpack": dkv_unpack, "out_h": lambda acc: acc.out.to(dtype),
-            "lse_h": lambda acc: acc.lse, "dq_h": lambda dq: dq.to(dtype)}
+            "dkv_pack": dkv_pack, "dkv_unpack": dkv_unpack, "out_h": lambda acc: final(acc)[0].to(dtype),
+            "lse_h": lambda acc: final(acc)[1], "dq_h": lambda dq: dq.to(dtype)}
 
 
 def dkv_dtype(plan: list[list[int]], kv_heads: int, dtype: torch.dtype) -> torch.dtype:
@@ -294,7 +308,7 @@ def run_head_split(schedule: Schedule, rt: Runtime, q: torch.Tensor, k: torch.Te
     """The forward of a head split of ``degree`` (:func:`head_split_steps` on the executor): ``out``,
     ``lse`` and the tensors the backward needs, ``(q_h, kv_h, out_h, lse_h)``."""
     steps = schedule.steps(rt.problem(q, k), "forward", rt.topology)
-    code = transforms(q, k, degree)
+    code = transforms(q, k, degree, rt.sinks, rt.rank % degree)
     roles = execute(rt, steps, {"q": q, "kv0": torch.stack([k, v])}, partial(_ring_of_groups, rt, degree),
                     keep=("q", "kv0", "out", "out_h", "lse_h", "out_seq", "lse_seq"), transforms=code)
     if "out_seq" not in roles:  # one member: the head split is the sequence split
