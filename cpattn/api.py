@@ -404,13 +404,15 @@ class ContextParallel:
         return float(softmax_scale)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                  return_lse: bool = False, sinks: torch.Tensor | None = None):
+                  return_lse: bool = False, sinks: torch.Tensor | None = None, softcap: float | None = None):
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` in this schedule's layout -> local ``out``
         (and ``lse [b, h, s]`` float32 with ``return_lse``). Differentiable in q, k, v.
 
         ``sinks [h]``: attention sinks (gpt-oss's ``s_aux``), one logit per query head that joins every
         row's softmax as a key with no value; merged exactly on each row's owner, and differentiable
         (its gradient sums this rank's rows, as every parameter's does under context parallelism).
+        ``softcap``: soft-capped scores ``tanh(s / softcap) * softcap`` (Gemma 2), on the ``math`` kernel
+        path (``backend`` "auto" or "math"; another backend raises).
 
         One ``torch.library`` custom op, ``cpattn::attention`` (its backward: ``cpattn::attention_backward``):
         ``torch.compile(..., fullgraph=True)`` compiles a model that calls it, and selective activation
@@ -422,8 +424,19 @@ class ContextParallel:
             _check_sinks(sinks, q)
         else:
             sinks = q.new_empty(0, dtype=torch.float32)  # none
-        out, lse, _saved = attention_op(q, k, v, (self._base or self)._site, self._slot, scale, sinks)
+        if softcap is not None:
+            softcap = self._checked_softcap(softcap)
+        out, lse, _saved = attention_op(q, k, v, (self._base or self)._site, self._slot, scale, sinks, softcap)
         return (out, lse) if return_lse else out
+
+    def _checked_softcap(self, softcap) -> float:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+                or softcap <= 0:
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+        if self.backend not in ("auto", "math"):
+            raise ValueError(f"softcap={softcap}: soft-capping runs on the 'math' kernel path, but this "
+                             f"ContextParallel has backend={self.backend!r}; use backend='auto' or 'math'")
+        return float(softcap)
 
     def _checked_scale(self, q, k, v, softmax_scale) -> float:
         """The call's softmax scale after its checks: agreed with the other ranks on the first call with

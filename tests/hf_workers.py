@@ -36,6 +36,10 @@ def tiny_config(kind: str = "llama", sliding_window: int | None = None):
         return transformers.Gemma3TextConfig(head_dim=8, query_pre_attn_scalar=8, sliding_window=sliding_window or 8,
                                              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                              **sizes)
+    if kind == "gemma2":  # soft-capped scores (a small cap, so that it matters), window and full layers
+        return transformers.Gemma2Config(head_dim=8, query_pre_attn_scalar=8, sliding_window=sliding_window or 8,
+                                         attn_logit_softcapping=0.5,
+                                         layer_types=["sliding_attention", "full_attention"], **sizes)
     if kind == "gpt_oss":  # sinks, window and full layers, a mixture of experts
         return transformers.GptOssConfig(head_dim=8, sliding_window=sliding_window or 8, num_local_experts=4,
                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},

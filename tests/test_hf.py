@@ -53,11 +53,13 @@ def test_mistral_sliding_window_and_documents_at_cp2(worlds):
 
 @pytest.mark.parametrize("kind,schedule,world", [("qwen3", "zigzag_ring", 2), ("qwen3", "ulysses", 3),
                                                  ("gemma3", "zigzag_ring", 3), ("gemma3", "ulysses", 2),
-                                                 ("gpt_oss", "zigzag_ring", 2), ("gpt_oss", "ulysses", 3)])
+                                                 ("gpt_oss", "zigzag_ring", 2), ("gpt_oss", "ulysses", 3),
+                                                 ("gemma2", "zigzag_ring", 3), ("gemma2", "ulysses", 2)])
 def test_families_match_at_cp2_and_cp3(worlds, kind, schedule, world):
     """Qwen3 (q/k norms), Gemma 3 (sliding-window layers between full ones, on one causal
     ContextParallel: each window layer runs on its view with the window added) and gpt-oss (the same, plus
-    attention sinks and a mixture of experts): logits, loss and every gradient, the sinks' included."""
+    attention sinks and a mixture of experts), Gemma 2 (windows and soft-capped scores): logits, loss and
+    every gradient, the sinks' included."""
     results = worlds.get(world).run(parity, schedule=schedule, seq_len=42, seed=3, kind=kind, batch=1, timeout=180)
     check(results, f"{kind} {schedule} CP={world}")
 
@@ -99,7 +101,8 @@ def test_packed_refuses_what_it_cannot_read():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,schedule,world", [("qwen3", "ulysses", 2), ("qwen3", "zigzag_ring", 3),
                                                  ("gemma3", "ulysses", 3), ("gemma3", "zigzag_ring", 2),
-                                                 ("gpt_oss", "ulysses", 2), ("gpt_oss", "zigzag_ring", 3)])
+                                                 ("gpt_oss", "ulysses", 2), ("gpt_oss", "zigzag_ring", 3),
+                                                 ("gemma2", "ulysses", 3), ("gemma2", "zigzag_ring", 2)])
 def test_families_match_the_rest_of_the_matrix(worlds, kind, schedule, world):
     results = worlds.get(world).run(parity, schedule=schedule, seq_len=42, seed=4, kind=kind, batch=1, timeout=180)
     check(results, f"{kind} {schedule} CP={world}")

@@ -1,5 +1,6 @@
-"""Attention sinks (``cp.attention(..., sinks=s)``, gpt-oss's ``s_aux``): exact forward and backward,
-the sink logits' gradient included, on every registered schedule."""
+"""Attention sinks (``cp.attention(..., sinks=s)``, gpt-oss's ``s_aux``) and soft-capping
+(``softcap=c``, Gemma 2): exact forward and backward, the sink logits' gradient included, on every
+registered schedule."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import cpattn
 from cpattn import schedules
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sinks_are_exact_on_every_schedule(worlds, world):
-    results = worlds.get(world).run("sink_workers.sinks_everywhere", timeout=300, seed=world)
+@pytest.mark.parametrize("world,softcap", [(2, None), (3, None), (2, 0.8)])
+def test_sinks_and_softcap_are_exact_on_every_schedule(worlds, world, softcap):
+    results = worlds.get(world).run("sink_workers.sinks_everywhere", timeout=300, seed=world, softcap=softcap)
     for rank, errors in enumerate(results):
         assert isinstance(errors, dict), f"rank {rank}: {errors}"
         assert set(errors) == set(schedules.names())
@@ -34,3 +35,18 @@ def test_sinks_change_the_result_and_are_checked():
         cp.attention(q, k, v, sinks=torch.zeros(3))
     with pytest.raises(TypeError, match="floating"):
         cp.attention(q, k, v, sinks=torch.zeros(2, dtype=torch.long))
+
+
+def test_softcap_changes_the_result_and_needs_the_math_path():
+    import sink_workers as w
+
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(1, 16, 2, 4, generator=gen) * 2 for _ in range(4))
+    none = torch.full((2,), -torch.inf)
+    plain, capped = (w.reference(q, k, v, none, dout, True, 0.5, c)["out"] for c in (None, 0.5))
+    assert (plain - capped).abs().max() > 0.1
+    cp = cpattn.ContextParallel(16, "causal", schedule="ring", backend="aten")
+    with pytest.raises(ValueError, match="soft-capping runs on the 'math' kernel path"):
+        cp.attention(q, k, v, softcap=0.5)
+    with pytest.raises(ValueError, match="softcap must be a positive"):
+        cpattn.ContextParallel(16, "causal", schedule="ring").attention(q, k, v, softcap=-1.0)

@@ -422,7 +422,7 @@ def compile_block(schedule: str, backend: str, seq: int = 64) -> dict:
         diff = max(diff, float((a - b).norm() / b.norm().clamp(min=1e-30)))
     # the op's registration: schema, fake implementation against the real outputs, autograd
     q, k, v = (torch.randn(2, cp.local_len, h, 8, requires_grad=True) for h in (4, 2, 2))
-    args = (q, k, v, cp._site, cp._slot, None, q.new_empty(0))
+    args = (q, k, v, cp._site, cp._slot, None, q.new_empty(0), None)
     opcheck = torch.library.opcheck(torch.ops.cpattn.attention.default, args,
                                     test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     return {"diff": diff, "calls": counts, "finite": bool(torch.isfinite(compiled[0]).all()),

@@ -49,6 +49,7 @@ class Runtime:
     seq_len: int | None = None  # the real tokens (None: padded_len); positions >= seq_len are padding
     plan: Any = None  # planned schedules (``ultra``): the cpattn.planner.Plan of this call
     sinks: torch.Tensor | None = None  # per-head sink logits ``[h]`` of this call (None: no sinks)
+    softcap: float | None = None  # scores soft-capped as tanh(s / softcap) * softcap (None: not capped)
     block_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
     batch_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
 
@@ -198,13 +199,13 @@ def attend(rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
         if not batch.stacked:
             blk = batch.blocks[0]
             o, lse = kernels.forward(q[:, blk.q], k[:, blk.kv], v[:, blk.kv], blk.kind, rt.scale, blk.mask,
-                                     rt.backend)
+                                     rt.backend, rt.softcap)
             _write(acc, blk.q, None, None, o, lse)
             continue
         n = len(batch.blocks)
         rs, cs, rows, cols = run.row_span, run.col_span, run.rows, run.cols
         o, lse = kernels.forward_stacked(_stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
-                                         batch.kind, rt.scale, n, rt.backend, run.masks)
+                                         batch.kind, rt.scale, n, rt.backend, run.masks, rt.softcap)
         o = o.reshape(b, -1, *o.shape[2:])
         lse = lse.reshape(b, n, *lse.shape[1:]).transpose(1, 2).reshape(b, lse.shape[1], -1)
         _write(acc, rs, rows, run.host_rows, o, lse)
@@ -221,7 +222,8 @@ def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         if not batch.stacked:
             blk = batch.blocks[0]
             dq, dk, dv = kernels.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.kv], v[:, blk.kv], out[:, blk.q],
-                                          lse[:, :, blk.q], blk.kind, rt.scale, blk.mask, rt.backend)
+                                          lse[:, :, blk.q], blk.kind, rt.scale, blk.mask, rt.backend,
+                                          softcap=rt.softcap)
             dq_acc[:, blk.q] += dq
             dk_acc[:, blk.kv] += dk
             dv_acc[:, blk.kv] += dv
@@ -232,7 +234,7 @@ def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.T
         lse_b = lse_b.reshape(b, lse.shape[1], n, -1).transpose(1, 2).reshape(b * n, lse.shape[1], -1)
         dq, dk, dv = kernels.backward_stacked(
             _stack(dout, rs, rows, n), _stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
-            _stack(out, rs, rows, n), lse_b, batch.kind, rt.scale, n, rt.backend, run.masks)
+            _stack(out, rs, rows, n), lse_b, batch.kind, rt.scale, n, rt.backend, run.masks, rt.softcap)
         for acc, grad, span, index in ((dq_acc, dq, rs, rows), (dk_acc, dk, cs, cols), (dv_acc, dv, cs, cols)):
             grad = grad.reshape(b, -1, *grad.shape[2:])
             if span is not None:

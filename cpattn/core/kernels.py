@@ -302,7 +302,16 @@ def _allowed(kind: BlockKind, mask: torch.Tensor | None, r0: int, r1: int, sk: i
     return kernels_cuda.per_row_mask(mask[:, r0:r1], b, device)[:, None, None]
 
 
-def _math_forward(q, k, v, kind, scale, mask):
+def _capped(s: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores soft-capped as ``tanh(s / softcap) * softcap`` (Gemma 2), and ``tanh(s / softcap)`` for the
+    backward's chain rule (None without capping)."""
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
+def _math_forward(q, k, v, kind, scale, mask, softcap=None):
     acc = acc_dtype(q.dtype)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -313,7 +322,7 @@ def _math_forward(q, k, v, kind, scale, mask):
     for r0 in range(0, sq, MATH_CHUNK_ROWS):
         r1 = min(sq, r0 + MATH_CHUNK_ROWS)
         qc = q[:, r0:r1].to(acc).view(b, r1 - r0, hkv, g, d)
-        s = torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale
+        s, _ = _capped(torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale, softcap)
         allowed = _allowed(kind, mask, r0, r1, sk, q.device, b)
         if allowed is not None:
             s = s.masked_fill(~allowed, float("-inf"))
@@ -325,7 +334,7 @@ def _math_forward(q, k, v, kind, scale, mask):
     return out, lse
 
 
-def _math_backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None):
+def _math_backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None, softcap=None):
     acc = acc_dtype(q.dtype)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -340,7 +349,7 @@ def _math_backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None):
         qc = q[:, r0:r1].to(acc).view(b, n, hkv, g, d)
         doc = dout[:, r0:r1].to(acc).view(b, n, hkv, g, d)
         lc = lse[:, :, r0:r1].to(acc).reshape(b, hkv, g, n)
-        s = torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale
+        s, tanh = _capped(torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale, softcap)
         allowed = _allowed(kind, mask, r0, r1, sk, q.device, b)
         if allowed is not None:
             s = s.masked_fill(~allowed, float("-inf"))
@@ -352,6 +361,8 @@ def _math_backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None):
         else:
             dc = delta[:, :, r0:r1].to(acc).reshape(b, hkv, g, n)
         ds = p * (dp - dc.unsqueeze(-1))  # dc: [b, n, g, q]
+        if tanh is not None:  # through the cap: d(tanh(x / c) c) / dx = 1 - tanh^2
+            ds = ds * (1 - tanh * tanh)
         dq[:, r0:r1] = (torch.einsum("bngqk,bknd->bqngd", ds, kf) * scale).reshape(b, n, h, d)
         dk += torch.einsum("bngqk,bqngd->bknd", ds, qc) * scale
     return dq, dk, dv
@@ -384,18 +395,31 @@ def _expands(path: str, q: torch.Tensor, k: torch.Tensor, expand: bool | None) -
     return groups if expand else 1
 
 
-def _run_forward(path, q, k, v, kind, scale, mask, expand):
+def _check_softcap(path: str, softcap: float | None) -> dict:
+    """The keyword a kernel path takes for ``softcap`` (only ``math`` applies it; others raise)."""
+    if softcap is None:
+        return {}
+    if path != "math":
+        raise ValueError(f"soft-capping (softcap={softcap}) runs on the 'math' kernel path only, not {path!r}: "
+                         "use backend='auto' or 'math'")
+    return {"softcap": softcap}
+
+
+def _run_forward(path, q, k, v, kind, scale, mask, expand, softcap=None):
     groups = _expands(path, q, k, expand)
-    out, lse = _FORWARD[path](q, expand_kv(k, groups), expand_kv(v, groups), kind, scale, mask)
+    extra = _check_softcap(path, softcap)
+    out, lse = _FORWARD[path](q, expand_kv(k, groups), expand_kv(v, groups), kind, scale, mask, **extra)
     acc = acc_dtype(q.dtype)
     return out.to(acc), lse.to(acc)
 
 
-def _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand, delta=None):
+def _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand, delta=None, softcap=None):
     groups = _expands(path, q, k, expand)
     args = (dout, q, expand_kv(k, groups), expand_kv(v, groups), out, lse, kind, scale, mask)
-    with_delta = delta is not None and path in DELTA_PATHS
-    dq, dk, dv = _BACKWARD[path](*args, delta=delta) if with_delta else _BACKWARD[path](*args)
+    extra = _check_softcap(path, softcap)
+    if delta is not None and path in DELTA_PATHS:
+        extra["delta"] = delta
+    dq, dk, dv = _BACKWARD[path](*args, **extra)
     acc = acc_dtype(q.dtype)
     return dq.to(acc), reduce_kv_grad(dk, groups).to(acc), reduce_kv_grad(dv, groups).to(acc)
 
@@ -443,13 +467,20 @@ def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (d * scale.unsqueeze(-1)).to(dout.dtype)
 
 
+def _softcap_backend(backend: str, softcap: float | None) -> str:
+    """Soft-capped blocks run on ``math`` (the path that applies a score modification)."""
+    return "math" if softcap is not None and backend == "auto" else backend
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float,
-            mask: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+            mask: torch.Tensor | None = None, backend: str = "auto", softcap: float | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block. Returns ``out [b, s_q, h, d]`` and ``lse [b, h, s_q]`` in the
-    accumulation dtype."""
+    accumulation dtype. ``softcap``: scores become ``tanh(s / softcap) * softcap`` (``math`` path)."""
     _check_block(q, k, kind, mask)
     span = trace.compute("forward", kind.value, q.shape[1], k.shape[1])
-    result = _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, mask, None)
+    path = kernel_for(q, kind, _softcap_backend(backend, softcap), k.shape[1])
+    result = _run_forward(path, q, k, v, kind, scale, mask, None, softcap)
     if span is not None:
         trace.computed(span)
     return result
@@ -457,7 +488,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
              lse: torch.Tensor, kind: BlockKind, scale: float, mask: torch.Tensor | None = None,
-             backend: str = "auto", delta: torch.Tensor | None = None
+             backend: str = "auto", delta: torch.Tensor | None = None, softcap: float | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block given the row's final ``out`` (input dtype) and ``lse``, or, with ``out``
     None, its ``delta [b, h, s_q] = rowsum(dout * out)`` (accumulation dtype: ``math`` takes it as is,
@@ -467,17 +498,18 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         raise ValueError("backward needs the row's final out, or its delta = rowsum(dout * out)")
     _check_block(q, k, kind, mask)
     span = trace.compute("backward", kind.value, q.shape[1], k.shape[1])
-    path = kernel_for(q, kind, backend, k.shape[1])
+    path = kernel_for(q, kind, _softcap_backend(backend, softcap), k.shape[1])
     if out is None and path not in DELTA_PATHS:
         out, delta = out_for_delta(dout, delta), None
-    result = _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta)
+    result = _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta, softcap)
     if span is not None:
         trace.computed(span)
     return result
 
 
 def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float, pieces: int,
-                    backend: str = "auto", mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    backend: str = "auto", mask: torch.Tensor | None = None, softcap: float | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward` of ``pieces`` equal-shaped blocks of one kind stacked along the batch dimension
     (``q [b * pieces, s_q, h, d]``, batch row ``i * pieces + p`` is piece p), in one kernel call;
     PARTIAL blocks bring their masks stacked, ``mask [pieces, s_q, s_kv]``. The trace records one
@@ -485,7 +517,8 @@ def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: Blo
     call)."""
     _check_block(q, k, kind, mask, pieces)
     span = trace.compute("forward", kind.value, q.shape[1], k.shape[1], pieces)
-    result = _run_forward(kernel_for(q, kind, backend, k.shape[1]), q, k, v, kind, scale, mask, None)
+    path = kernel_for(q, kind, _softcap_backend(backend, softcap), k.shape[1])
+    result = _run_forward(path, q, k, v, kind, scale, mask, None, softcap)
     if span is not None:
         trace.computed(span)
     return result
@@ -493,13 +526,14 @@ def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: Blo
 
 def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, kind: BlockKind, scale: float, pieces: int, backend: str = "auto",
-                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     mask: torch.Tensor | None = None, softcap: float | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`backward` of ``pieces`` stacked blocks, as :func:`forward_stacked` (one call, one trace event
     per block); each block's rows carry its rows' final ``out`` and ``lse``."""
     _check_block(q, k, kind, mask, pieces)
     span = trace.compute("backward", kind.value, q.shape[1], k.shape[1], pieces)
-    result = _run_backward(kernel_for(q, kind, backend, k.shape[1]), dout, q, k, v, out, lse, kind, scale, mask,
-                           None)
+    path = kernel_for(q, kind, _softcap_backend(backend, softcap), k.shape[1])
+    result = _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, None, softcap)
     if span is not None:
         trace.computed(span)
     return result

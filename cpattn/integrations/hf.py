@@ -13,13 +13,15 @@ with ``attn_implementation="cpattn"`` then runs every attention layer through th
 
 The mask is the ContextParallel's: the model's own masks are never built (the mask hook of ``"cpattn"``
 returns None), and what cpattn cannot honour raises instead of being dropped: a padding
-``attention_mask``, a custom 4-D mask, a model's extra mask functions, attention dropout, soft-capping,
-packed-sequence keyword arguments that are not the mask's documents (:func:`packed` makes the view that
-matches them), a key/value cache, a causal setting or a window that the mask disagrees with, and
-``position_ids`` that are not the tokens' global positions. Each layer runs on the mask it asks for: a
-sliding-window layer on the view of the ContextParallel with its window added (Gemma 3, gpt-oss,
-Mistral-style hybrids); attention sinks (gpt-oss's ``s_aux``) are merged exactly; a layer recomputed by
-gradient checkpointing finds its ContextParallel on any thread.
+``attention_mask``, a custom 4-D mask, a model's extra mask functions, attention dropout, soft-capping
+on a backend other than "auto" or "math", packed-sequence keyword arguments that are not the mask's
+documents (:func:`packed` makes the view that matches them), a key/value cache, a causal setting or a
+window that the mask disagrees with, and ``position_ids`` that are not the tokens' global positions.
+
+Each layer runs on the mask it asks for: a sliding-window layer on the view of the ContextParallel
+with its window added (Gemma 2 and 3, gpt-oss, Mistral-style hybrids). Attention sinks (gpt-oss's
+``s_aux``) are merged exactly, Gemma 2's soft-capped scores run on the ``math`` kernel path, and a layer
+recomputed by gradient checkpointing finds its ContextParallel on any thread.
 
 ``transformers`` is imported by :func:`register` only, never by ``import cpattn``.
 """
@@ -58,7 +60,6 @@ _CHECKED_CU: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("cpat
 _PACKING = ("packed sequences are expressed with the mask: view, batch = cpattn.integrations.hf.packed(cp, batch) "
             "gives the step's view with their document mask")
 _UNSUPPORTED_KWARGS = {
-    "softcap": "attention logit soft-capping is not supported",
     "position_bias": "additive position biases are not supported",
     "cu_seq_lens_q": _PACKING,
     "cu_seq_lens_k": _PACKING,
@@ -241,7 +242,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     _check_positions(active if cp.layout == active.layout else cp, kwargs.get("position_ids"))
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: one sink logit per query head
     out = cp.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling,
-                       sinks=sinks)
+                       sinks=sinks, softcap=kwargs.get("softcap"))  # Gemma 2 soft-caps its scores
     return out, None
 
 

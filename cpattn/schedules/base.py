@@ -266,11 +266,10 @@ def site_slot(handle: int) -> torch.Tensor:
 
 
 def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: int, slot: torch.Tensor,
-                    softmax_scale: float | None, sinks: torch.Tensor
+                    softmax_scale: float | None, sinks: torch.Tensor, softcap: float | None
                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     schedule, rt = _slot_site(slot).prepare(q, k, v, softmax_scale)
-    if sinks.numel():
-        rt = dataclasses.replace(rt, sinks=sinks)
+    rt = dataclasses.replace(rt, sinks=sinks if sinks.numel() else None, softcap=softcap)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with memo.scope(rt.block_cache):
         out, lse, *saved = schedule.forward(rt, q, k, v)
@@ -280,16 +279,17 @@ def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: i
 
 @torch.library.custom_op("cpattn::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: int, slot: torch.Tensor,
-                 softmax_scale: float | None, sinks: torch.Tensor
+                 softmax_scale: float | None, sinks: torch.Tensor, softcap: float | None
                  ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``
     (accumulation dtype) and the tensors the schedule keeps for its backward (Ulysses' head-split ones).
-    ``sinks [h]``: per-head sink logits merged into every row (``merge.with_sinks``); empty for none."""
-    return _attention_body(q, k, v, family, slot, softmax_scale, sinks)
+    ``sinks [h]``: per-head sink logits merged into every row (``merge.with_sinks``); empty for none.
+    ``softcap``: scores soft-capped as ``tanh(s / softcap) * softcap`` (None: not capped)."""
+    return _attention_body(q, k, v, family, slot, softmax_scale, sinks, softcap)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, family, slot, softmax_scale, sinks):
+def _attention_fake(q, k, v, family, slot, softmax_scale, sinks, softcap):
     owner = _site(family)  # every view of a family has its shapes
     b, s, h, _ = q.shape
     saved = owner.schedule.saved_like(q, k, owner.world_size, owner.topology)
@@ -300,11 +300,10 @@ def _attention_fake(q, k, v, family, slot, softmax_scale, sinks):
 
 def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, saved: list[torch.Tensor], slot: torch.Tensor,
-                             softmax_scale: float | None, sinks: torch.Tensor
+                             softmax_scale: float | None, sinks: torch.Tensor, softcap: float | None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     schedule, rt = _slot_site(slot).runtime(q, k, softmax_scale)
-    if sinks.numel():
-        rt = dataclasses.replace(rt, sinks=sinks)
+    rt = dataclasses.replace(rt, sinks=sinks if sinks.numel() else None, softcap=softcap)
     extra = {"saved": tuple(saved)} if saved else {}
     dout = dout.contiguous()
     with memo.scope(rt.block_cache):  # out and lse are final (sinks merged in): the kernels' P and D are exact
@@ -317,31 +316,32 @@ def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 @torch.library.custom_op("cpattn::attention_backward", mutates_args=())
 def attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, saved: list[torch.Tensor], slot: torch.Tensor,
-                          softmax_scale: float | None, sinks: torch.Tensor
+                          softmax_scale: float | None, sinks: torch.Tensor, softcap: float | None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``dq, dk, dv`` (input dtype) of :func:`attention_op`, and of ``sinks`` over this rank's
     rows (empty without sinks)."""
-    return _attention_backward_body(dout, q, k, v, out, lse, saved, slot, softmax_scale, sinks)
+    return _attention_backward_body(dout, q, k, v, out, lse, saved, slot, softmax_scale, sinks, softcap)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(dout, q, k, v, out, lse, saved, slot, softmax_scale, sinks):
+def _attention_backward_fake(dout, q, k, v, out, lse, saved, slot, softmax_scale, sinks, softcap):
     grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     return (*grads, torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, _family, slot, softmax_scale, sinks = inputs
+    q, k, v, _family, slot, softmax_scale, sinks, softcap = inputs
     out, lse, saved = output
     ctx.save_for_backward(q, k, v, out, lse, slot, sinks, *saved)
-    ctx.softmax_scale = softmax_scale
+    ctx.softmax_scale, ctx.softcap = softmax_scale, softcap
     ctx.mark_non_differentiable(lse, *saved)
 
 
 def _backward(ctx, dout, _dlse, _dsaved):
     q, k, v, out, lse, slot, sinks, *saved = ctx.saved_tensors
-    dq, dk, dv, dsinks = attention_backward_op(dout, q, k, v, out, lse, saved, slot, ctx.softmax_scale, sinks)
-    return dq, dk, dv, None, None, None, dsinks if sinks.numel() else None
+    dq, dk, dv, dsinks = attention_backward_op(dout, q, k, v, out, lse, saved, slot, ctx.softmax_scale, sinks,
+                                               ctx.softcap)
+    return dq, dk, dv, None, None, None, dsinks if sinks.numel() else None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

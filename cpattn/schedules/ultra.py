@@ -351,7 +351,7 @@ class _Program:
         if forward:
             (q_cat,) = rows
             if cover is None:
-                out, lse = kernels.forward(q_cat, k_cat, v_cat, kind, rt.scale, None, rt.backend)
+                out, lse = kernels.forward(q_cat, k_cat, v_cat, kind, rt.scale, None, rt.backend, rt.softcap)
             else:
                 acc = new_accumulators(q_cat)
                 attend(rt, q_cat, k_cat, v_cat, cover, acc)
@@ -363,7 +363,8 @@ class _Program:
         out_cat = self._own_out(kn.rows)
         if cover is None:
             dq, dk, dv = kernels.backward(dout_cat, q_cat, k_cat, v_cat, out_cat, lse_cat, kind, rt.scale, None,
-                                          rt.backend, delta=None if out_cat is not None else delta_cat)
+                                          rt.backend, delta=None if out_cat is not None else delta_cat,
+                                          softcap=rt.softcap)
         else:
             dq = torch.zeros(q_cat.shape, dtype=self.acc, device=self.device)
             dk = torch.zeros(k_cat.shape, dtype=self.acc, device=self.device)
