@@ -693,14 +693,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args, world)
         if cfg.world != world:
             raise ValueError(f"dp={cfg.dp} x cp={cfg.cp} = {cfg.world} ranks, but torchrun started {world}")
-        notes = preflight(cfg)
+        preflight(cfg)  # rank 0 prints what a resume passes over and changes, checksums verified
     except ValueError as exc:
         if rank == "0":
             _say(f"error: {exc}")
         return 2
-    if rank == "0":
-        for note in notes:
-            _say(f"checkpoint: {note}")
     distributed.init()
     try:
         record = run_rank(cfg)

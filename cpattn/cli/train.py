@@ -49,11 +49,8 @@ def configs(args) -> list:
     runs = [train.config_from_args(args, args.dp * cp, cp=cp, schedule=name) for cp in cps for name in names]
     if len(runs) > 1 and args.checkpoint:
         raise ValueError("--checkpoint takes one run: give one --cp and one --schedule")
-    notes = []
     for cfg in runs:
-        notes += train.preflight(cfg)
-    for note in notes:
-        stderr().print(f"checkpoint: {note}", soft_wrap=True, markup=False)
+        train.preflight(cfg)  # rank 0 prints what a resume passes over and changes, checksums verified
     return runs
 
 
