@@ -51,10 +51,8 @@ def test_mistral_sliding_window_and_documents_at_cp2(worlds):
           "llama documents [13, 20, 13], seed 7")
 
 
-@pytest.mark.parametrize("kind,schedule,world", [("qwen3", "zigzag_ring", 2), ("qwen3", "ulysses", 3),
-                                                 ("gemma3", "zigzag_ring", 3), ("gemma3", "ulysses", 2),
-                                                 ("gpt_oss", "zigzag_ring", 2), ("gpt_oss", "ulysses", 3),
-                                                 ("gemma2", "zigzag_ring", 3), ("gemma2", "ulysses", 2)])
+@pytest.mark.parametrize("kind,schedule,world", [("qwen3", "ulysses", 3), ("gemma3", "zigzag_ring", 3),
+                                                 ("gpt_oss", "zigzag_ring", 2), ("gemma2", "ulysses", 2)])
 def test_families_match_at_cp2_and_cp3(worlds, kind, schedule, world):
     """Qwen3 (q/k norms), Gemma 3 (sliding-window layers between full ones, on one causal
     ContextParallel: each window layer runs on its view with the window added) and gpt-oss (the same, plus
@@ -99,10 +97,11 @@ def test_packed_refuses_what_it_cannot_read():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,schedule,world", [("qwen3", "ulysses", 2), ("qwen3", "zigzag_ring", 3),
-                                                 ("gemma3", "ulysses", 3), ("gemma3", "zigzag_ring", 2),
-                                                 ("gpt_oss", "ulysses", 2), ("gpt_oss", "zigzag_ring", 3),
-                                                 ("gemma2", "ulysses", 3), ("gemma2", "zigzag_ring", 2)])
+@pytest.mark.parametrize("kind,schedule,world", [
+    ("qwen3", "zigzag_ring", 2), ("qwen3", "ulysses", 2), ("qwen3", "zigzag_ring", 3),
+    ("gemma3", "zigzag_ring", 2), ("gemma3", "ulysses", 2), ("gemma3", "ulysses", 3),
+    ("gpt_oss", "ulysses", 2), ("gpt_oss", "zigzag_ring", 3), ("gpt_oss", "ulysses", 3),
+    ("gemma2", "zigzag_ring", 2), ("gemma2", "zigzag_ring", 3), ("gemma2", "ulysses", 3)])
 def test_families_match_the_rest_of_the_matrix(worlds, kind, schedule, world):
     results = worlds.get(world).run(parity, schedule=schedule, seq_len=42, seed=4, kind=kind, batch=1, timeout=180)
     check(results, f"{kind} {schedule} CP={world}")
