@@ -30,17 +30,21 @@ def random_rows(rng: random.Random, rows: int, row_len: int, longest: int) -> li
 
 
 def reference(q, k, v, dout, lengths: list[int], scale: float) -> dict[str, torch.Tensor]:
-    """float64 causal attention inside each document; q [1, S, h, d], k/v [1, S, h_kv, d]."""
+    """float64 causal attention inside each document; q [1, S, h, d], k/v [1, S, h_kv, d]. One query
+    head at a time, so that long sequences fit in memory."""
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.arange(doc.numel())
     allowed = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     g = q.shape[2] // k.shape[2]
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, 2)) * scale
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(g, 2))
-    out.backward(dout.double())
-    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    outs = []
+    for h in range(q.shape[2]):
+        scores = torch.einsum("bqd,bkd->bqk", q[:, :, h], k[:, :, h // g]) * scale
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        out = torch.einsum("bqk,bkd->bqd", probs, v[:, :, h // g])
+        out.backward(dout[:, :, h].double())
+        outs.append(out.detach())
+    return {"out": torch.stack(outs, dim=2), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
 def varlen_steps(schedules: list[str], steps: int, rows: int, row_len: int, longest: int, seed: int = 0) -> dict:
