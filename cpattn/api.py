@@ -267,20 +267,22 @@ class ContextParallel:
         no process group is made and no schedule is searched; the layout is chosen for the mask as the
         constructor would (the schedule's own, or ``layout="balanced"`` rebalanced for it). Views are
         kept by mask (the last few), so asking again for an equal mask returns the same view with its
-        block lists and steps. Collective: unless ``check="off"``, the ranks agree on the mask (one
-        small exchange of a digest), so a rank given another mask makes every rank raise.
+        block lists and steps. Collective: the ranks agree on the mask (one small exchange of a digest)
+        the first time a mask is asked for (every time with ``check="always"``, never with
+        ``check="off"``), so a rank given another mask makes every rank raise.
 
         A batch whose rows hold different documents is one packed sequence (rows flattened into the
         sequence dimension): ``cpattn.masks.document(lengths)`` over ``b * S`` tokens, or
         ``cpattn.masks.from_cu_seqlens(cu_seqlens)``."""
         base = self._base or self
-        error, view = None, None
+        error, view, fresh = None, None, True
         try:
             resolved = resolve(mask)
+            fresh = resolved != base.mask and resolved not in base._views
             view = base if resolved == base.mask else base._views.get(resolved, lambda: base._view(resolved))
         except (ValueError, TypeError, NotImplementedError) as exc:
             error = exc
-        if base.check != "off":
+        if base.check == "always" or (base.check == "first" and fresh):
             text = _mask_text(resolved) if error is None else "?"
             agree.agree(base._setup, "ContextParallel.with_mask", {"mask": text}, error, base._exchange_device)
         elif error is not None:

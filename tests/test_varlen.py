@@ -84,3 +84,21 @@ def test_a_compiled_block_takes_a_new_mask_every_step_without_recompiling(worlds
     result = worlds.get(2).run("varlen_workers.compiled_views", timeout=300, steps=10)
     for r in result:
         assert r["graphs"] == 1 and r["error"] < 1e-5, r
+
+
+def test_a_mask_is_agreed_on_once_unless_check_always(monkeypatch):
+    """Window layers ask for their view on every call: with check="first" the ranks exchange its digest
+    the first time only; check="always" exchanges every time; check="off" never."""
+    from cpattn import agree
+
+    calls = []
+    real = agree.agree
+    monkeypatch.setattr(agree, "agree", lambda comm, what, *a, **k: (calls.append(what), real(comm, what, *a, **k)))
+    for check, expected in (("first", 2), ("always", 4), ("off", 0)):
+        calls.clear()
+        cp = cpattn.ContextParallel(64, "causal", schedule="ring", check=check)
+        calls.clear()
+        for _ in range(2):
+            cp.with_mask(masks.causal() & masks.sliding_window(8))
+            cp.with_mask(masks.document([30, 34]))
+        assert calls.count("ContextParallel.with_mask") == expected, (check, calls)

@@ -849,6 +849,12 @@ class _Combination(IntervalMask):
         self.name = f"{a.name}{self.symbol}{b.name}"
         self._by_intervals = isinstance(a, IntervalMask) and isinstance(b, IntervalMask)
 
+    def __eq__(self, other: object) -> bool:  # by value, as every mask: caches key on masks
+        return type(other) is type(self) and (other.a, other.b) == (self.a, self.b)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.a, self.b))
+
     def _shortcut(self, ka: BlockKind, kb: BlockKind) -> BlockKind | None:
         raise NotImplementedError
 

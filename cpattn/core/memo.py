@@ -48,6 +48,9 @@ class BoundedCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
+
 
 _ACTIVE: ContextVar[BoundedCache | None] = ContextVar("cpattn_memo", default=None)
 
