@@ -80,7 +80,9 @@ def test_a_mesh_and_a_topology_of_other_shapes_are_refused(worlds):
     assert "device mesh is 2 x 2" in first["message"] and "topology is 1 x 4" in first["message"]
 
 
-@pytest.mark.parametrize("schedule,mask", [("ringx3", "causal"), ("ringx3b", "full"), ("ringx3b", "window")])
+@pytest.mark.parametrize("schedule,mask", [("ringx3", "causal"),
+                                           pytest.param("ringx3b", "full", marks=pytest.mark.slow),
+                                           pytest.param("ringx3b", "window", marks=pytest.mark.slow)])
 def test_two_level_ringx3_inside_dp2_x_cp4_is_exact_with_bytes_per_level(worlds, schedule, mask):
     """World 8 = dp 2 x (2 nodes x 2 devices): each dp replica's context-parallel mesh runs the
     two-level collectives; verify checks exactness, the volume and each level's bytes."""

@@ -159,6 +159,7 @@ def test_bench_runs_checks_and_renders(tmp_path):
     assert saved["baseline"] == result["baseline"]
 
 
+@pytest.mark.slow
 def test_bench_cli_with_mask_spec_topology_and_plot(tmp_path, capsys):
     spec = '{"kind": "sliding_window", "window": 24}'
     rc = cli.main(["bench", "--world", "2", "--topology", "1x2", "--seq", "96", "--heads", "4", "--kv-heads", "2",

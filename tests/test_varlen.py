@@ -33,11 +33,12 @@ def test_a_view_is_kept_by_mask_and_shares_the_group():
         cpattn.ContextParallel(64, "causal", schedule="ringx4").with_mask(masks.document([32, 32], causal=False))
 
 
-@pytest.mark.parametrize("world,steps", [(2, 20), (3, 8), (4, 4)])
+@pytest.mark.parametrize("world,steps", [(2, 20), (3, 8)])
 def test_varlen_steps_are_exact(worlds, world, steps):
     """Steps of random documents (b = 2 packed rows of 256 tokens, documents of 1 to 200 tokens, some rows
-    one document) on six schedules: every step exact against the float64 reference. Three and four
-    ranks oversubscribe two cores, so they run fewer steps here and 20 (of 4K tokens) in the slow suite."""
+    one document) on six schedules: every step exact against the float64 reference. Three ranks
+    oversubscribe two cores, so they run fewer steps here; the slow suite runs 20 longer steps at P=2, 3
+    and 4."""
     report = worlds.get(world).run("varlen_workers.varlen_steps", timeout=600, schedules=VARLEN_SCHEDULES,
                                    steps=steps, rows=2, row_len=256, longest=200, seed=world)
     for rank, result in enumerate(report):
