@@ -107,10 +107,11 @@ def _require_active(module: torch.nn.Module) -> ContextParallel:
     (gradient checkpointing) on a thread that does not see :func:`use` (autograd's device threads, a
     backward run on another thread) gets the ContextParallel of its own last forward."""
     cp = _ACTIVE.get()
-    if cp is not None:
-        module.__dict__["_cpattn_context"] = weakref.ref(cp)  # not a submodule, parameter or buffer
-        return cp
     ref = module.__dict__.get("_cpattn_context")
+    if cp is not None:
+        if ref is None or ref() is not cp:  # written when it changes (not a submodule, parameter or buffer)
+            module.__dict__["_cpattn_context"] = weakref.ref(cp)
+        return cp
     cp = ref() if ref is not None and torch._C._current_autograd_node() is not None else None
     if cp is None:
         raise RuntimeError(f"a model with attn_implementation={NAME!r} was called outside "
