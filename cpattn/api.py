@@ -124,15 +124,33 @@ def _scale_like(softmax_scale) -> bool:
 
 
 class ContextParallel:
-    """Exact attention over a sequence of ``seq_len`` tokens split across the ranks of ``group``.
+    """Exact attention over a sequence of ``seq_len`` tokens split across the ranks of ``group``::
+
+        cp = cpattn.ContextParallel(seq_len=4096, mask="causal", schedule="zigzag_ring")
+        q, k, v = (cp.shard(t, dim=1) for t in (q_full, k_full, v_full))   # [b, s, h, d], this rank's
+        out = cp.attention(q, k, v)                                        # differentiable
+        out_full = cp.unshard(out, dim=1)                                  # every rank, token order
+        # the single-device reference: cpattn.masks.causal().dense(0, 4096, 0, 4096) is the bool mask
 
     ``mask``: a :class:`cpattn.masks.Mask`, ``"causal"``, ``"full"`` or a mask spec dict
-    (``cpattn.masks.from_spec``). ``schedule``: a name from ``cpattn.schedules.available()``,
-    ``"auto"``, or a schedule object with options (``cpattn.schedules.USP(ulysses_degree=2)``,
-    ``cpattn.schedules.Ultra(cpattn.planner.PlanOptions(...))``). ``backend``: local kernels, ``"auto"``,
-    ``"aten"`` or ``"math"``. ``layout``: None (the schedule's own), ``"balanced"`` (an explicit layout that evens
-    out the mask's work per rank, ``cpattn.layout.balanced``), a layout name or a :class:`cpattn.layout.Layout`;
-    only schedules with ``custom_layout`` accept one. Every argument is checked here, before any communication.
+    (``cpattn.masks.from_spec``); ``with_mask`` gives views for other masks (one per step or per layer).
+    ``schedule``: a name from ``cpattn.schedules.available()`` (``cpattn schedules`` lists them),
+    ``"auto"`` (the cost model picks), or a schedule object with options
+    (``cpattn.schedules.USP(ulysses_degree=2)``, ``cpattn.schedules.Ultra(cpattn.planner.PlanOptions(...))``).
+    ``group``: the process group or ``DeviceMesh`` the sequence is split over (None: the default group;
+    a 2-D mesh, inter-node x intra-node, gives two-level collectives; without torch.distributed, one
+    rank). ``topology``: a :class:`cpattn.cost.Topology` for ``"auto"`` and the two-level schedules
+    (None: a 2-D mesh's shape, else one node). ``backend``: local kernels, ``"auto"``, ``"aten"``,
+    ``"flash_attn"`` or ``"math"`` (FlexAttention runs masked blocks on CUDA under the first three).
+    ``layout``: None (the schedule's own), ``"balanced"`` (an explicit layout that evens out the mask's
+    work per rank, ``cpattn.layout.balanced``, rebalanced for each view's mask), a layout name or a
+    :class:`cpattn.layout.Layout`; only schedules with ``custom_layout`` accept one. ``check``: when the
+    ranks exchange a fingerprint so that a rank given other settings or inputs makes every rank raise
+    the same error instead of hanging: ``"first"`` (at construction and at the first call with each new
+    shape or mask), ``"always"`` (every call) or ``"off"``. ``memory_limit``: bytes one rank may use for
+    a call (None: the device's free memory); a call whose predicted peak exceeds it is refused before it
+    starts, naming the leanest schedule that fits. Every argument is checked here, before any
+    communication.
 
     Padding: when the layout cannot split ``seq_len`` evenly, the sequence is padded at its end to
     ``padded_len`` with tokens that attend nothing and that nothing attends. ``shard`` takes the
@@ -146,6 +164,8 @@ class ContextParallel:
                  group: dist.ProcessGroup | DeviceMesh | None = None, topology: Topology | None = None,
                  backend: str = "auto", layout: str | layout_mod.Layout | None = None, check: str = "first",
                  memory_limit: int | None = None) -> None:
+        """See the class: checks every argument (the same error on every rank), resolves ``"auto"``,
+        picks the layout and the padded length, and builds this call's communicator and runtime."""
         self.comm = Communicator(group)
         self._setup = self.comm.view(record=False)  # agreement, planning and unshard traffic is not attention's
         self._exchange_device = _exchange_device(self.comm)
@@ -392,8 +412,15 @@ class ContextParallel:
             raise ValueError(f"head_dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
         for name, t in (("q", q), ("k", k)):
             if t.shape[1] != self.local_len:
-                raise ValueError(f"{name} has {t.shape[1]} local tokens; with seq_len={self.seq_len} over "
-                                 f"{self.world_size} ranks each rank holds {self.local_len} (padding included)")
+                hint = ""
+                if t.shape[2] == self.local_len:
+                    hint = (f"; it looks like [batch, heads, seq, head_dim]: cpattn takes [batch, seq, heads, "
+                            f"head_dim], so pass {name}.transpose(1, 2)")
+                elif t.shape[1] == self.seq_len and self.world_size > 1:
+                    hint = f"; it holds the whole sequence: pass this rank's part, cp.shard({name}_full, dim=1)"
+                raise ValueError(f"{name} has {t.shape[1]} local tokens at dim 1 (shape {tuple(t.shape)}); with "
+                                 f"seq_len={self.seq_len} over {self.world_size} ranks each rank holds "
+                                 f"{self.local_len} (padding included), as [batch, seq, heads, head_dim]{hint}")
         h, hkv = q.shape[2], k.shape[2]
         if hkv < 1 or h % hkv != 0:
             raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")

@@ -97,3 +97,10 @@ def test_deterministic_off_the_cpu_raises():
     q = torch.empty(1, 8, 4, 8, device="meta")
     with pytest.raises(NotImplementedError, match="deterministic=True is guaranteed on the CPU only"):
         cpattn.ring_attn_func(q, q, q, deterministic=True)
+
+
+def test_a_wrong_layout_or_a_missing_shard_is_named():
+    cp = cpattn.ContextParallel(128, "causal", schedule="ring")
+    bhsd = torch.randn(1, 8, 128, 16)
+    with pytest.raises(ValueError, match=r"looks like \[batch, heads, seq, head_dim\].*q.transpose\(1, 2\)"):
+        cp.attention(bhsd, bhsd, bhsd)

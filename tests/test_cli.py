@@ -205,10 +205,20 @@ def test_bench_world_must_agree_with_the_topology(capsys):
     assert cli.main(["bench", "--topology", "2x2", "--world", "2"]) == 2  # refused before any process starts
     assert "has 4 devices but --world is 2" in capsys.readouterr().err
     args = cli.build_parser().parse_args(["bench", "--topology", "2x2", "--seq", "256,512", "--schedules", "ring"])
-    assert [(c.world, c.seq, c.topology) for c, _ in cli.bench.configs(args)] == [(4, 256, (2, 2)), (4, 512, (2, 2))]
+    assert [(c.world, c.seq, c.topology) for c, *_ in cli.bench.configs(args)] == [(4, 256, (2, 2)), (4, 512, (2, 2))]
     args = cli.build_parser().parse_args(["bench", "--mask", "full", "--schedules", "ringx3"])
-    with pytest.raises(ValueError, match="ringx3"):  # a schedule that refuses the mask is a usage error
+    with pytest.raises(ValueError, match="ringx3.*cpattn schedules"):  # none of those asked for can run it
         cli.bench.configs(args)
+
+
+def test_bench_runs_what_it_can_and_notes_what_it_skipped():
+    args = cli.build_parser().parse_args(["bench", "--mask", "causal,full", "--schedules", "ring,ringx1o,ringx4"])
+    (causal, run_c, skip_c), (full, run_f, skip_f) = cli.bench.configs(args)
+    assert (run_c, skip_c) == (["ring", "ringx4"], [("ringx1o", "bidirectional-only")])
+    assert (run_f, skip_f) == (["ring", "ringx1o"], [("ringx4", "causal-only")])
+    default = cli.build_parser().parse_args(["bench", "--mask", "causal"])
+    _, run_d, skip_d = cli.bench.configs(default)[0]
+    assert {"ringx1", "ringx1o", "ringx3b"} == {n for n, _ in skip_d} and "ring" in run_d
 
 
 def test_device_counts():
@@ -260,6 +270,16 @@ def test_mask_parser():
 def test_usage_errors_exit_2_with_a_message(argv, capsys):
     assert cli.main(argv) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["verify", "--world", "0"], ["bench", "--world", "-1"], ["bench", "--seq", "0"],
+                                  ["simulate", "--gpus", "0", "--seq", "4096"], ["plan", "--heads", "0"]])
+def test_counts_below_one_are_one_line_errors(argv, capsys):
+    """A world size, length or head count below 1 is refused by the parser in one line, before anything
+    runs (it used to end in a ZeroDivisionError, or in two tracebacks for a negative world)."""
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "expected a positive integer" in err and "Traceback" not in err
 
 
 def test_help_exits_0(capsys):

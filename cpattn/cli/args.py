@@ -31,6 +31,17 @@ def algorithm(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------- lists
+def positive(text: str) -> int:
+    """A ``type=`` for counts and sizes: a positive int (argparse prints the error as one line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def csv(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
     """A ``type=`` for a comma-separated list of ``kind`` (``"2,4"`` -> ``[2, 4]``; empty items skipped)."""
 

@@ -10,15 +10,15 @@ from .output import show_wide, stderr, stdout
 
 def add_parser(sub) -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time schedules on N local processes against one process")
-    b.add_argument("--world", "-P", type=a.csv(int), default=None,
+    b.add_argument("--world", "-P", type=a.csv(a.positive), default=None,
                    help="number of local ranks (default 2, or the devices of --topology); a comma-separated list "
                         "runs each")
-    b.add_argument("--seq", type=a.csv(int), default=[4096],
+    b.add_argument("--seq", type=a.csv(a.positive), default=[4096],
                    help="global sequence length (default 4096); a comma-separated list runs each")
-    b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--heads", type=int, default=8)
-    b.add_argument("--kv-heads", type=int, default=2)
-    b.add_argument("--head-dim", type=int, default=64)
+    b.add_argument("--batch", type=a.positive, default=1)
+    b.add_argument("--heads", type=a.positive, default=8)
+    b.add_argument("--kv-heads", type=a.positive, default=2)
+    b.add_argument("--head-dim", type=a.positive, default=64)
     b.add_argument("--mask", type=a.masks, default=["causal"],
                    help="causal, full, or both: causal,full; or a JSON mask spec (or list of specs), e.g. "
                         '\'{"kind": "strided", "block_size": 1024, "stride": 4}\'')
@@ -32,7 +32,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--schedules", type=a.csv(str), default=None,
                    help="comma-separated names (default: every schedule that supports the mask)")
     b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--iters", type=int, default=3)
+    b.add_argument("--iters", type=a.positive, default=3)
     b.add_argument("--threads", type=int, default=0, help="torch threads per rank (default cores / world)")
     b.add_argument("--flex", action=argparse.BooleanOptionalAction, default=None,
                    help="time torch FlexAttention (torch.compile, forward only, one process) as a peer column; "
@@ -50,38 +50,41 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return b
 
 
-def supporting(names: list[str] | None, mask_spec, layout: str | None = None) -> list[str]:
-    """``names``, each checked (it exists, runs the mask and accepts ``layout``; a ValueError otherwise),
-    or every registered schedule that runs ``mask_spec`` and accepts ``layout``."""
+def supporting(names: list[str] | None, mask_spec, layout: str | None = None
+               ) -> tuple[list[str], list[tuple[str, str]]]:
+    """``(run, skipped)``: of ``names`` (default: every registered schedule), those that run
+    ``mask_spec`` and accept ``layout``, and ``(name, why)`` for the others. An unknown name, or named
+    schedules none of which can run, is a ValueError."""
     from .. import schedules
     from ..core.masks import resolve
 
     mask = resolve(mask_spec)
-    if names:
-        for name in names:
-            sched = schedules.get(name)
-            try:
-                sched.check_mask(mask)
-            except NotImplementedError as exc:  # the schedule refuses this mask: a usage error here
-                raise ValueError(str(exc)) from None
-            if layout is not None and not sched.custom_layout:
-                raise ValueError(f"schedule {name!r} runs only on its own layout, not layout={layout!r}")
-        return names
-    out = []
-    for name in schedules.names():
-        sched = schedules.get(name)
+    run, skipped = [], []
+    for name in names or schedules.names():
+        sched = schedules.get(name)  # an unknown name raises, naming the registered ones
         try:
             sched.check_mask(mask)
         except (ValueError, NotImplementedError):
+            kind = "bidirectional-only" if not sched.causal else "causal-only" if not sched.bidirectional \
+                else "does not run this mask"
+            skipped.append((name, kind))
             continue
-        if layout is None or sched.custom_layout:
-            out.append(name)
-    return out
+        if layout is not None and not sched.custom_layout:
+            skipped.append((name, f"runs only on its own {sched.layout_for(mask)!r} layout"))
+            continue
+        run.append(name)
+    if not run:
+        why = "; ".join(f"{n}: {w}" for n, w in skipped)
+        raise ValueError(f"no schedule asked for can run the {mask.name} mask"
+                         f"{'' if layout is None else f' on layout {layout!r}'} ({why}); `cpattn schedules` "
+                         "lists what each runs")
+    return run, skipped
 
 
 def configs(args) -> list[tuple]:
-    """Every ``(BenchConfig, schedule names)`` the arguments ask for, all checked before any process
-    starts (a ValueError for a bad mask, schedule, layout or world size)."""
+    """Every ``(BenchConfig, schedule names, skipped)`` the arguments ask for, all checked before any
+    process starts (a ValueError for a bad mask, schedule, layout or world size; ``skipped``: the
+    ``(name, why)`` of schedules asked for, or registered, that cannot run the configuration)."""
     import itertools
 
     from .. import bench
@@ -96,7 +99,7 @@ def configs(args) -> list[tuple]:
         cfg = bench.BenchConfig(world=world, seq=seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                                 head_dim=args.head_dim, mask=mask, dtype=args.dtype, warmup=args.warmup,
                                 iters=args.iters, threads=args.threads, topology=shape, layout=layout)
-        out.append((cfg, supporting(args.schedules, mask, layout)))
+        out.append((cfg, *supporting(args.schedules, mask, layout)))
     return out
 
 
@@ -110,7 +113,15 @@ def run(args) -> int:
     profile = a.load_profile(args.profile) if args.predict else None
     results = []
     stamp = bool(args.trace or args.plot)  # the timeline step feeds the traces and the plot's panels
-    for cfg, names in todo:
+    for cfg, names, skipped in todo:
+        if skipped:
+            groups: dict[str, list[str]] = {}
+            for name, why in skipped:
+                groups.setdefault(why, []).append(name)
+            console.print(f"not run for the {cfg.mask if isinstance(cfg.mask, str) else 'given'} mask"
+                          f"{'' if cfg.layout is None else f' on layout {cfg.layout}'}: "
+                          + "; ".join(f"{', '.join(n)} ({why})" for why, n in groups.items())
+                          + " (`cpattn schedules` lists what each runs)", soft_wrap=True)
         with console.status("starting") as status:
             result = bench.run(cfg, names, progress=lambda msg, status=status: status.update(f"bench: {msg}"),
                                flex=args.flex, timeline=stamp)

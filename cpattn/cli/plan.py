@@ -17,20 +17,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pl.add_argument("--topology", type=a.topology(), default="dgx-h100",
                     help="a preset (dgx-h100, dgx-a100, frontier, local) or NxD, e.g. 2x4, which implies --gpus "
                          "(default dgx-h100)")
-    pl.add_argument("--gpus", "-P", type=int, default=None,
+    pl.add_argument("--gpus", "-P", type=a.positive, default=None,
                     help=f"number of devices (default {DEFAULT_GPUS}, or the devices of an NxD topology)")
-    pl.add_argument("--seq", type=int, default=65536, help="global sequence length (default 65536)")
+    pl.add_argument("--seq", type=a.positive, default=65536, help="global sequence length (default 65536)")
     pl.add_argument("--mask", type=a.mask, default="causal",
                     help="causal, full, or a mask spec (cpattn.masks.from_spec) as JSON")
-    pl.add_argument("--batch", type=int, default=1)
-    pl.add_argument("--heads", type=int, default=32)
-    pl.add_argument("--kv-heads", type=int, default=8)
-    pl.add_argument("--head-dim", type=int, default=128)
+    pl.add_argument("--batch", type=a.positive, default=1)
+    pl.add_argument("--heads", type=a.positive, default=32)
+    pl.add_argument("--kv-heads", type=a.positive, default=8)
+    pl.add_argument("--head-dim", type=a.positive, default=128)
     pl.add_argument("--dtype", default="bfloat16", choices=a.dtypes(float64=True))
     pl.add_argument("--eps", type=float, default=0.1, help="load tolerance of the partition ILP (default 0.1)")
     pl.add_argument("--time-budget", type=float, default=15.0, help="seconds of CP-SAT solving per plan (default 15)")
     pl.add_argument("--no-solver", action="store_true", help="greedy placement and list schedule only")
-    pl.add_argument("--chunks-per-rank", type=int, default=None, help="fix the granularity (default: automatic)")
+    pl.add_argument("--chunks-per-rank", type=a.positive, default=None, help="fix the granularity (default: automatic)")
     pl.add_argument("--owner-map", choices=["auto", "contiguous"], default="auto",
                     help="which rank holds which tokens: ultra's own choice (round-robin pieces when they keep "
                          "clearly more work local) or contiguous (default auto)")

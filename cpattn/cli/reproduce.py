@@ -27,16 +27,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     papers = p.add_subparsers(dest="paper", required=True)
 
     x = papers.add_parser("ringx", help="RingX's benchmark grid on Frontier: every variant against ring attention")
-    x.add_argument("--gcds", type=a.csv(int), default=list(r.RINGX_GCDS),
+    x.add_argument("--gcds", type=a.csv(a.positive), default=list(r.RINGX_GCDS),
                    help="comma-separated GCD counts (default 8,16,...,4096)")
     x.add_argument("--masks", type=a.csv(str), default=list(r.RINGX_MASKS), help="full and/or causal (default both)")
-    x.add_argument("--batch", type=a.csv(int), default=[b for b, _ in r.RINGX_SHAPES],
+    x.add_argument("--batch", type=a.csv(a.positive), default=[b for b, _ in r.RINGX_SHAPES],
                    help="batch sizes, paired with --tokens-per-gcd (default 256,128,64,32)")
-    x.add_argument("--tokens-per-gcd", type=a.csv(int), default=[s for _, s in r.RINGX_SHAPES],
+    x.add_argument("--tokens-per-gcd", type=a.csv(a.positive), default=[s for _, s in r.RINGX_SHAPES],
                    help="local tokens per GCD, paired with --batch (default 1024,2048,4096,8192)")
-    x.add_argument("--heads", type=a.csv(int), default=[32], help="query heads (list, paired with --kv-heads)")
-    x.add_argument("--kv-heads", type=a.csv(int), default=[32], help="key/value heads (list)")
-    x.add_argument("--head-dim", type=a.csv(int), default=[128], help="head dim (list)")
+    x.add_argument("--heads", type=a.csv(a.positive), default=[32], help="query heads (list, paired with --kv-heads)")
+    x.add_argument("--kv-heads", type=a.csv(a.positive), default=[32], help="key/value heads (list)")
+    x.add_argument("--head-dim", type=a.csv(a.positive), default=[128], help="head dim (list)")
     x.add_argument("--dtype", default="bfloat16", choices=a.dtypes())
     x.add_argument("--phase", default="forward+backward", choices=["forward", "backward", "forward+backward"])
     x.add_argument("--algorithm", type=a.algorithm, default=r.RINGX_ALGORITHM,
@@ -44,7 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "'all_reduce:tree;broadcast:ring' (default: a tree all-reduce and ring broadcasts and reduces, "
                         "what NCCL_ALGO=Tree gives on NCCL/RCCL, as the RingX release set)")
     x.add_argument("--target", type=float, default=r.RINGX_CLAIM, help="the speedup to explain (default 3.4)")
-    x.add_argument("--gap-gcds", type=a.csv(int), default=None,
+    x.add_argument("--gap-gcds", type=a.csv(a.positive), default=None,
                    help="GCD counts at which to find the ring bandwidth that gives --target (default: the largest "
                         "of --gcds; '' for none)")
     x.add_argument("--no-context", action="store_true", help="leave out zigzag_ring and stripe_ring (causal)")
@@ -56,11 +56,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                             "baselines for block-sparse patterns")
     u.add_argument("--patterns", type=a.csv(str), default=list(r.ULTRA_PATTERNS),
                    help="strided, global_local, star, streaming (default all; blocks of 1/16 of the sequence)")
-    u.add_argument("--seq", type=a.csv(int), default=None, help="global sequence lengths (default 65536)")
-    u.add_argument("--gpus", type=a.csv(int), default=None, help="GPU counts (default 8,64)")
-    u.add_argument("--heads", type=a.csv(int), default=None, help="query heads (default 1,32)")
-    u.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as query heads)")
-    u.add_argument("--head-dim", type=int, default=128)
+    u.add_argument("--seq", type=a.csv(a.positive), default=None, help="global sequence lengths (default 65536)")
+    u.add_argument("--gpus", type=a.csv(a.positive), default=None, help="GPU counts (default 8,64)")
+    u.add_argument("--heads", type=a.csv(a.positive), default=None, help="query heads (default 1,32)")
+    u.add_argument("--kv-heads", type=a.positive, default=None,
+                   help="key/value heads (default: as many as query heads)")
+    u.add_argument("--head-dim", type=a.positive, default=128)
     u.add_argument("--dtype", default="bfloat16", choices=a.dtypes())
     u.add_argument("--phase", default="forward+backward", choices=["forward", "backward", "forward+backward"])
     u.add_argument("--full", action="store_true",

@@ -15,17 +15,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--topology", type=a.topology(), default="frontier",
                    help="frontier, dgx-h100, dgx-a100 or local (default frontier), or NxD (generic figures, "
                         "implies --gpus)")
-    m.add_argument("--gpus", type=a.csv(int), default=None,
+    m.add_argument("--gpus", type=a.csv(a.positive), default=None,
                    help="comma-separated GPU counts (default 8,64,512,4096, or the devices of an NxD topology)")
-    m.add_argument("--seq", type=int, default=None, help="global sequence length (strong scaling)")
-    m.add_argument("--seq-per-gpu", type=int, default=None, help="tokens per GPU (weak scaling)")
+    m.add_argument("--seq", type=a.positive, default=None, help="global sequence length (strong scaling)")
+    m.add_argument("--seq-per-gpu", type=a.positive, default=None, help="tokens per GPU (weak scaling)")
     m.add_argument("--mask", type=a.mask, default="causal",
                    help='causal, full, or a mask spec (cpattn.masks.from_spec) as JSON, e.g. '
                         '\'{"kind": "star", "block_size": 2048, "sink": 1}\'')
-    m.add_argument("--batch", type=int, default=1)
-    m.add_argument("--heads", type=int, default=32)
-    m.add_argument("--kv-heads", type=int, default=8)
-    m.add_argument("--head-dim", type=int, default=128)
+    m.add_argument("--batch", type=a.positive, default=1)
+    m.add_argument("--heads", type=a.positive, default=32)
+    m.add_argument("--kv-heads", type=a.positive, default=8)
+    m.add_argument("--head-dim", type=a.positive, default=128)
     m.add_argument("--dtype", default="bfloat16", choices=a.dtypes())
     m.add_argument("--phase", default="forward+backward", choices=["forward", "backward", "forward+backward"])
     m.add_argument("--schedules", type=a.csv(str), default=None,

@@ -10,7 +10,7 @@ from .output import stderr, stdout
 
 def add_parser(sub) -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="run the exactness matrix on local processes")
-    v.add_argument("--world", type=a.csv(int), default=[1, 2, 3, 4], help="world sizes (default 1,2,3,4)")
+    v.add_argument("--world", type=a.csv(a.positive), default=[1, 2, 3, 4], help="world sizes (default 1,2,3,4)")
     v.add_argument("--schedules", type=a.csv(str), default=None, help="comma-separated (default: all)")
     v.add_argument("--masks", type=a.masks, default=["causal", "full"],
                    help="comma-separated mask kinds (cpattn.masks.KINDS; example arguments for each), or a JSON "
