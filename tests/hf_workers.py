@@ -68,6 +68,18 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
+def summed(loss: torch.Tensor, model, cp) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's loss share and parameter gradients, each summed over the group's ranks (the global
+    mean loss and its gradient, as data parallelism's all-reduce would give them)."""
+    total = loss.detach().clone()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    if cp.world_size > 1:
+        dist.all_reduce(total)
+        for g in grads.values():
+            dist.all_reduce(g)
+    return total, grads
+
+
 def parity(schedule: str, seq_len: int, seed: int, kind: str = "llama", window: int | None = None,
            documents: list[int] | None = None, batch: int = 2, checkpoint: str | None = None,
            backward_thread: bool = False) -> dict[str, float]:
@@ -118,12 +130,7 @@ def parity(schedule: str, seq_len: int, seed: int, kind: str = "llama", window: 
         worker.join()
         if failed:
             raise failed[0]
-    total = loss.detach().clone()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    if cp.world_size > 1:
-        dist.all_reduce(total)
-        for g in grads.values():
-            dist.all_reduce(g)
+    total, grads = summed(loss, model, cp)
     logits_full = cp.unshard(logits.detach(), dim=1)
 
     if documents is None:
@@ -162,12 +169,7 @@ def packed_parity(schedule: str, lengths: list[int], seq_len: int, seed: int) ->
                        use_cache=False, **extra).logits
         loss = hf.causal_lm_loss(logits, full["labels"], view)
         loss.backward()
-    total = loss.detach().clone()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    if cp.world_size > 1:
-        dist.all_reduce(total)
-        for g in grads.values():
-            dist.all_reduce(g)
+    total, grads = summed(loss, model, cp)
     logits_full = view.unshard(logits.detach(), dim=1)[:, :sum(lengths)]
     outs = [ref(d[None], use_cache=False).logits for d in docs]
     ref_logits = torch.cat(outs, dim=1)
