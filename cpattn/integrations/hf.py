@@ -323,3 +323,17 @@ def causal_lm_loss(logits_local: torch.Tensor, labels_full: torch.Tensor, cp: Co
     if cp.world_size > 1:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=cp.comm.group)
     return total / count.clamp(min=1)
+
+
+def __getattr__(name: str):
+    """``hf.Trainer`` (:mod:`cpattn.integrations.hf_trainer`) and ``hf.generate``
+    (:mod:`cpattn.integrations.hf_generate`), imported on first use."""
+    if name == "Trainer":
+        from .hf_trainer import Trainer
+
+        return Trainer
+    if name == "generate":
+        from .hf_generate import generate
+
+        return generate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
