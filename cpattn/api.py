@@ -22,7 +22,7 @@ from . import agree, cost, planner, schedules
 from .core import kernels, memo
 from .core import layout as layout_mod
 from .core.comm import Communicator, DeviceMesh
-from .core.masks import Mask, causal, full, resolve, sliding_window
+from .core.masks import Mask, causal, full, has_documents, resolve, sliding_window
 from .core.memo import BoundedCache
 from .core.steps import CommOp, Problem
 from .core.topology import Topology
@@ -142,8 +142,10 @@ class ContextParallel:
     rank). ``topology``: a :class:`cpattn.cost.Topology` for ``"auto"`` and the two-level schedules
     (None: a 2-D mesh's shape, else one node). ``backend``: local kernels, ``"auto"``, ``"aten"``,
     ``"flash_attn"`` or ``"math"`` (FlexAttention runs masked blocks on CUDA under the first three).
-    ``layout``: None (the schedule's own), ``"balanced"`` (an explicit layout that evens out the mask's
-    work per rank, ``cpattn.layout.balanced``, rebalanced for each view's mask), a layout name or a
+    ``layout``: None (the schedule's own; for a document mask on ``ring``, ``allgather``, ``ringx3``,
+    ``ringx3b`` and ``usp``, the balanced layout below whenever it needs no more padding),
+    ``"balanced"`` (an explicit layout that evens out the mask's work per rank,
+    ``cpattn.layout.balanced``, rebalanced for each view's mask), a layout name or a
     :class:`cpattn.layout.Layout`; only schedules with ``custom_layout`` accept one. ``check``: when the
     ranks exchange a fingerprint so that a rank given other settings or inputs makes every rank raise
     the same error instead of hanging: ``"first"`` (at construction and at the first call with each new
@@ -260,7 +262,14 @@ class ContextParallel:
                     name = f"{sched.name}-round-robin-{len(order) // world}"
                     return layout_mod.from_pieces(order, padded, world, name), padded
             lay = layout_mod.Layout(sched.layout_for(self.mask))
-            return lay, lay.padded_len(seq_len, world)
+            padded = lay.padded_len(seq_len, world)
+            if sched.custom_layout and sched.balances_documents and has_documents(self.mask):
+                # each step's documents balanced, on as many chunks per rank as keep the padded length
+                for chunks in (layout_mod.BALANCED_CHUNKS_PER_RANK, 2):
+                    if layout_mod.round_up(seq_len, world * chunks) == padded:
+                        return layout_mod.balanced(self.mask, padded, world, valid_len=seq_len,
+                                                   chunks_per_rank=chunks), padded
+            return lay, padded
         if not sched.custom_layout:
             takers = ", ".join(s["name"] for s in schedules.available() if s["custom_layout"])
             raise ValueError(f"layout={layout!r}: schedule {sched.name!r} runs only on its own "
@@ -440,8 +449,9 @@ class ContextParallel:
         ``sinks [h]``: attention sinks (gpt-oss's ``s_aux``), one logit per query head that joins every
         row's softmax as a key with no value; merged exactly on each row's owner, and differentiable
         (its gradient sums this rank's rows, as every parameter's does under context parallelism).
-        ``softcap``: soft-capped scores ``tanh(s / softcap) * softcap`` (Gemma 2), on the ``math`` kernel
-        path (``backend`` "auto" or "math"; another backend raises).
+        ``softcap``: soft-capped scores ``tanh(s / softcap) * softcap`` (Gemma 2), on the kernel paths that
+        apply a score modification: FlexAttention's ``score_mod`` on CUDA, else ``math`` (``backend``
+        "auto" or "math"; another backend raises).
 
         One ``torch.library`` custom op, ``cpattn::attention`` (its backward: ``cpattn::attention_backward``):
         ``torch.compile(..., fullgraph=True)`` compiles a model that calls it, and selective activation
@@ -463,8 +473,9 @@ class ContextParallel:
                 or softcap <= 0:
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
         if self.backend not in ("auto", "math"):
-            raise ValueError(f"softcap={softcap}: soft-capping runs on the 'math' kernel path, but this "
-                             f"ContextParallel has backend={self.backend!r}; use backend='auto' or 'math'")
+            raise ValueError(f"softcap={softcap}: soft-capping runs on the kernel paths that apply a score "
+                             f"modification (FlexAttention on CUDA, 'math'), but this ContextParallel has "
+                             f"backend={self.backend!r}; use backend='auto' or 'math'")
         return float(softcap)
 
     def _checked_scale(self, q, k, v, softmax_scale) -> float:

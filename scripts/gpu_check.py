@@ -12,7 +12,8 @@ Sections, each written to the JSON report as soon as it finishes (so a run cut s
    mask leaves empty are given every key for that measurement, since SDPA makes them NaN); lse, which
    SDPA does not return, is held to out's tolerance. Each FULL / PARTIAL case also runs *split*: the
    keys in two blocks, merged by log-sum-exp, each block's backward given the merged out and lse, as
-   the schedules call the kernels.
+   the schedules call the kernels. Soft-capped blocks (``softcap``) run on flex_cuda, the path
+   ``backend="auto"`` gives them on CUDA, against a float64 autograd reference of the capped scores.
 2. ``bench``: forward and forward+backward time of each fused path against SDPA under
    ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` at S = 8K..64K (bfloat16, b=1, h=32, h_kv=8, d=128),
    CUDA events, median; causal and full (flex_cuda with a dense causal mask, S <= 16K only).
@@ -178,6 +179,73 @@ def exactness(quick: bool, deadline: float) -> list[dict]:
                     results.append(case)
                     status = "ok" if case["ok"] else f"FAIL {case.get('error') or case['whole']['problems']}"
                     log(f"exactness {path} {case['kind']} {case['dtype']} gqa={case['gqa']}: {status}")
+    if "flex_cuda" in available:
+        results += softcap_exactness(dtypes, deadline)
+    return results
+
+
+def _capped_reference(q, k, v, dout, allowed, scale, cap):
+    """Soft-capped attention and its gradients in float64, plain torch autograd (GQA by repeating heads)."""
+    import torch
+
+    with torch.enable_grad():
+        q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+        groups = q.shape[2] // k.shape[2]
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(groups, 2)) * scale
+        s = (torch.tanh(s / cap) * cap).masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(groups, 2))
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout.double())
+    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def softcap_exactness(dtypes, deadline: float) -> list[dict]:
+    """Soft-capped blocks (Gemma 2's ``tanh(s / c) * c``) on flex_cuda, the path ``auto`` gives them on
+    CUDA: forward and backward of every block kind against a float64 autograd reference, whole and split."""
+    import torch
+    from cpattn.masks import BlockKind
+
+    from cpattn import kernels
+
+    dev, d, h, hkv, b, scale, cap = torch.device("cuda"), 64, 8, 2, 2, 0.125, 0.5
+    results = []
+    for kind in (BlockKind.FULL, BlockKind.CAUSAL, BlockKind.PARTIAL):
+        for dtype in dtypes:
+            sq = 200
+            sk = sq if kind == BlockKind.CAUSAL else 328
+            case = {"path": "flex_cuda", "softcap": cap, "kind": kind.value,
+                    "dtype": str(dtype).replace("torch.", ""), "gqa": h // hkv, "s_q": sq, "s_kv": sk}
+            if time.time() > deadline:
+                results.append({**case, "skipped": "time budget of the section spent"})
+                continue
+            try:
+                assert kernels.kernel_for(torch.empty(1, 1, h, d, device=dev, dtype=dtype), kind,
+                                          softcap=cap) == "flex_cuda", "auto does not send capped blocks to flex"
+                gen = torch.Generator(device=dev).manual_seed(100 + len(results))
+                q, k, v, dout = (torch.randn(b, s, n, d, generator=gen, device=dev, dtype=torch.float64).to(dtype)
+                                 for s, n in ((sq, h), (sk, hkv), (sk, hkv), (sq, h)))
+                q = (q * 4).to(dtype)  # scores past the cap
+                allowed = torch.ones(sq, sk, dtype=torch.bool, device=dev)
+                if kind == BlockKind.CAUSAL:
+                    allowed = allowed.tril()
+                elif kind == BlockKind.PARTIAL:
+                    allowed = torch.rand(sq, sk, generator=gen, device=dev) < 0.3
+                    allowed[5] = False
+                mask = allowed if kind == BlockKind.PARTIAL else None
+                tol, e_local = _tolerances(q, k, v, dout, allowed, kind, scale)
+                ref = _capped_reference(q, k, v, dout, allowed, scale, cap)
+                empty = ~allowed.any(1)
+                out, lse = kernels.forward(q, k, v, kind, scale, mask, softcap=cap)
+                dq, dk, dv = kernels.backward(dout, q, k, v, out.to(dtype), lse, kind, scale, mask, softcap=cap)
+                got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+                case.update(e_local=e_local, whole=_judge(got, ref, tol, empty))
+                case["ok"] = case["whole"]["ok"]
+            except Exception as exc:
+                case.update(ok=False, error=_error_of(exc), trace=traceback.format_exc()[-3000:])
+            results.append(case)
+            status = "ok" if case["ok"] else f"FAIL {case.get('error') or case['whole']['problems']}"
+            log(f"exactness flex_cuda softcap {case['kind']} {case['dtype']}: {status}")
     return results
 
 

@@ -89,6 +89,27 @@ def test_dispatch_errors(device, dtype, head_dim, available, backend, error, mat
         kernels.choose_kernel(device, dtype, head_dim, FULL, available, backend)
 
 
+@pytest.mark.parametrize("device,head_dim,kind,available,backend,want", [
+    ("cuda", 64, FULL, GPU, "auto", "flex_cuda"),  # Flex's score_mod applies the cap
+    ("cuda", 64, CAUSAL, GPU, "auto", "flex_cuda"),
+    ("cuda", 64, PARTIAL, GPU, "auto", "flex_cuda"),
+    ("cuda", 64, FULL, GPU - {"flex_cuda"}, "auto", "math"),  # no Triton: the math path
+    ("cuda", 8, CAUSAL, GPU, "auto", "math"),  # Flex needs head_dim >= 16
+    ("cuda", 64, FULL, GPU, "math", "math"),
+    ("cpu", 64, FULL, CPU, "auto", "math"),  # the fused CPU kernel cannot cap
+    ("cpu", 64, PARTIAL, CPU, "auto", "math"),
+])
+def test_soft_capped_blocks_take_a_path_that_modifies_scores(device, head_dim, kind, available, backend, want):
+    assert kernels.choose_kernel(device, BF16, head_dim, kind, available, backend, softcap=True) == want
+    assert want in kernels.SOFTCAP_PATHS
+
+
+@pytest.mark.parametrize("backend", ["aten", "flash_attn"])
+def test_soft_capping_on_a_backend_that_cannot_apply_it_raises(backend):
+    with pytest.raises(ValueError, match="soft-capping runs on the kernel paths that apply a score modification"):
+        kernels.choose_kernel("cuda", BF16, 64, FULL, GPU_FA, backend, softcap=True)
+
+
 def test_dispatch_rejects_empty_blocks():
     with pytest.raises(ValueError, match="EMPTY"):
         kernels.choose_kernel("cuda", BF16, 64, EMPTY, GPU)
@@ -285,6 +306,37 @@ def test_flex_forward_of_stacked_partial_blocks_matches_math():
     ref_o, ref_l = kernels.forward_stacked(q, k, v, PARTIAL, 0.3, 2, "math", masks)
     assert torch.allclose(out.float(), ref_o, atol=1e-5) and torch.equal(lse.isinf(), ref_l.isinf())
     assert bool(torch.isneginf(lse[1, :, 9]).all()) and bool((out[1, 9] == 0).all())
+
+
+def _capped_reference(q, k, v, allowed, scale, cap):
+    """Soft-capped attention in float64, written out: ``[b, s, h, d]`` inputs, GQA by repeating heads."""
+    q, k, v = (t.double() for t in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+    s = torch.tanh(torch.einsum("bqhd,bkhd->bhqk", q, k) * scale / cap) * cap
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), v), lse
+
+
+@pytest.mark.parametrize("kind", [FULL, CAUSAL, PARTIAL])
+def test_flex_forward_soft_capped_unfused_matches_a_float64_reference(kind):
+    """FlexAttention's score_mod caps the scores of every block kind (the CUDA path for soft-capped
+    blocks; its backward runs through the same differentiable block and is checked by gpu_check)."""
+    q, k, v, _ = _inputs(F32, sq=48, sk=48, h=4, hkv=2, d=16, seed=7)
+    q = q * 3  # scores large enough that the cap of 0.7 matters
+    allowed = {FULL: torch.ones(48, 48, dtype=torch.bool), CAUSAL: torch.ones(48, 48, dtype=torch.bool).tril(),
+               PARTIAL: torch.rand(48, 48, generator=torch.Generator().manual_seed(8)) < 0.4}[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, lse = kernels_cuda.flex_forward(q, k, v, kind, 0.25, allowed if kind == PARTIAL else None,
+                                             compiled=False, softcap=0.7)
+    ref_o, ref_l = _capped_reference(q, k, v, allowed, 0.25, 0.7)
+    plain, _ = _capped_reference(q, k, v, allowed, 0.25, 1e6)
+    assert (plain - ref_o).abs().max() > 0.05  # the cap changes the result
+    rows = allowed.any(-1)
+    assert torch.allclose(out.double()[:, rows], ref_o[:, rows], atol=1e-5)
+    assert torch.allclose(lse.double()[:, :, rows], ref_l[:, :, rows], atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------ ops on meta tensors

@@ -37,7 +37,7 @@ def test_sinks_change_the_result_and_are_checked():
         cp.attention(q, k, v, sinks=torch.zeros(2, dtype=torch.long))
 
 
-def test_softcap_changes_the_result_and_needs_the_math_path():
+def test_softcap_changes_the_result_and_needs_a_score_modifying_path():
     import sink_workers as w
 
     gen = torch.Generator().manual_seed(1)
@@ -46,7 +46,7 @@ def test_softcap_changes_the_result_and_needs_the_math_path():
     plain, capped = (w.reference(q, k, v, none, dout, True, 0.5, c)["out"] for c in (None, 0.5))
     assert (plain - capped).abs().max() > 0.1
     cp = cpattn.ContextParallel(16, "causal", schedule="ring", backend="aten")
-    with pytest.raises(ValueError, match="soft-capping runs on the 'math' kernel path"):
+    with pytest.raises(ValueError, match="soft-capping runs on the kernel paths that apply a score modification"):
         cp.attention(q, k, v, softcap=0.5)
     with pytest.raises(ValueError, match="softcap must be a positive"):
         cpattn.ContextParallel(16, "causal", schedule="ring").attention(q, k, v, softcap=-1.0)

@@ -47,6 +47,12 @@ def test_varlen_steps_are_exact(worlds, world, steps):
         for name, r in result.items():
             assert r["world"] == world
             assert r["error"] < 2e-5, f"rank {rank} {name}: relative error {r['error']:.2e}"
+            assert r["padded_len"] == r["base_padded_len"], (name, r)  # a view never pads more than its base
+        # document masks run balanced by default where that needs no more padding than the schedule's own
+        # layout: ring's contiguous 512 tokens at P=2 (not P=3, where 512 is not a multiple of 2P), allgather's
+        # zigzag (already padded to 2P) at any P; zigzag_ring keeps its zigzag
+        ring = "balanced" if 512 % (2 * world) == 0 else "contiguous"
+        assert [result[n]["layout"] for n in ("ring", "allgather", "zigzag_ring")] == [ring, "balanced", "zigzag"]
 
 
 @pytest.mark.slow

@@ -80,7 +80,8 @@ def varlen_steps(schedules: list[str], steps: int, rows: int, row_len: int, long
                 err = ((value - ref[key]).abs().max() / ref[key].abs().max().clamp(min=1e-12)).item()
                 worst = max(worst, err)
         report[name] = {"error": worst, "view_s": view_s / steps, "attention_s": attn_s / steps,
-                        "world": dist.get_world_size() if dist.is_initialized() else 1}
+                        "world": dist.get_world_size() if dist.is_initialized() else 1,
+                        "layout": view.layout.name, "padded_len": view.padded_len, "base_padded_len": cp.padded_len}
     return report
 
 

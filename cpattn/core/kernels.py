@@ -148,7 +148,8 @@ CPU_FLASH_PARTIAL_DTYPES = (torch.float32,)
 
 
 def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: BlockKind,
-                  available: frozenset[str], backend: str = "auto", kv_len: int | None = None) -> str:
+                  available: frozenset[str], backend: str = "auto", kv_len: int | None = None,
+                  softcap: bool = False) -> str:
     """The kernel path (a :data:`PATHS` name) for one block: a pure function of its arguments.
 
     ``available`` is the set of paths this process can run (:func:`available_kernels`). ``math``
@@ -158,12 +159,22 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
     CUDA: PARTIAL blocks take ``flex_cuda`` when it fits; FULL and CAUSAL blocks take ``flash_attn``
     when asked for and it fits, else the first of :data:`CUDA_ORDER` that is available and fits; with
     none, ``auto`` and ``flash_attn`` fall back to ``math`` while ``aten`` raises ValueError (it promised
-    a fused kernel). Other devices run ``math`` (``aten`` raises)."""
+    a fused kernel). Other devices run ``math`` (``aten`` raises).
+
+    ``softcap``: the block's scores are soft-capped, which only the paths that apply a score
+    modification can do: ``flex_cuda`` (its ``score_mod``) on CUDA when it fits, else ``math``, under
+    ``auto``; ``math`` under ``math``; any other backend raises ValueError."""
     _check_backend_name(backend)
     if kind == BlockKind.EMPTY:
         raise ValueError("an EMPTY block has nothing to compute; schedules must skip it")
     if backend == "math":
         return "math"
+    if softcap:
+        if backend != "auto":
+            raise ValueError(f"soft-capping runs on the kernel paths that apply a score modification (FlexAttention "
+                             f"on CUDA, 'math'), not backend={backend!r}: use backend='auto' or 'math'")
+        flex = device_type == "cuda" and "flex_cuda" in available and kernel_fits("flex_cuda", dtype, head_dim)
+        return "flex_cuda" if flex else "math"
     if device_type == "cpu":
         short = kv_len is not None and kv_len < CPU_FLASH_MIN_KEYS_LOW_PRECISION and \
             dtype in (torch.bfloat16, torch.float16)
@@ -395,13 +406,17 @@ def _expands(path: str, q: torch.Tensor, k: torch.Tensor, expand: bool | None) -
     return groups if expand else 1
 
 
+#: the kernel paths that apply a score modification, so soft-capping
+SOFTCAP_PATHS = frozenset({"math", "flex_cuda"})
+
+
 def _check_softcap(path: str, softcap: float | None) -> dict:
-    """The keyword a kernel path takes for ``softcap`` (only ``math`` applies it; others raise)."""
+    """The keyword a kernel path takes for ``softcap`` (:data:`SOFTCAP_PATHS` apply it; others raise)."""
     if softcap is None:
         return {}
-    if path != "math":
-        raise ValueError(f"soft-capping (softcap={softcap}) runs on the 'math' kernel path only, not {path!r}: "
-                         "use backend='auto' or 'math'")
+    if path not in SOFTCAP_PATHS:
+        raise ValueError(f"soft-capping (softcap={softcap}) runs on the {' and '.join(sorted(SOFTCAP_PATHS))} "
+                         f"kernel paths only, not {path!r}: use backend='auto' or 'math'")
     return {"softcap": softcap}
 
 
@@ -442,10 +457,12 @@ def backward_with(path: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     return _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand)
 
 
-def kernel_for(q: torch.Tensor, kind: BlockKind, backend: str = "auto", kv_len: int | None = None) -> str:
+def kernel_for(q: torch.Tensor, kind: BlockKind, backend: str = "auto", kv_len: int | None = None,
+               softcap: float | None = None) -> str:
     """The kernel path :func:`forward` and :func:`backward` run for queries like ``q``, ``kind`` and
-    ``kv_len`` keys."""
-    return choose_kernel(q.device.type, q.dtype, q.shape[3], kind, available_kernels(q.device), backend, kv_len)
+    ``kv_len`` keys (soft-capped when ``softcap`` is given)."""
+    return choose_kernel(q.device.type, q.dtype, q.shape[3], kind, available_kernels(q.device), backend, kv_len,
+                         softcap is not None)
 
 
 def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -467,19 +484,14 @@ def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (d * scale.unsqueeze(-1)).to(dout.dtype)
 
 
-def _softcap_backend(backend: str, softcap: float | None) -> str:
-    """Soft-capped blocks run on ``math`` (the path that applies a score modification)."""
-    return "math" if softcap is not None and backend == "auto" else backend
-
-
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float,
             mask: torch.Tensor | None = None, backend: str = "auto", softcap: float | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block. Returns ``out [b, s_q, h, d]`` and ``lse [b, h, s_q]`` in the
-    accumulation dtype. ``softcap``: scores become ``tanh(s / softcap) * softcap`` (``math`` path)."""
+    accumulation dtype. ``softcap``: scores become ``tanh(s / softcap) * softcap`` (:data:`SOFTCAP_PATHS`)."""
     _check_block(q, k, kind, mask)
     span = trace.compute("forward", kind.value, q.shape[1], k.shape[1])
-    path = kernel_for(q, kind, _softcap_backend(backend, softcap), k.shape[1])
+    path = kernel_for(q, kind, backend, k.shape[1], softcap)
     result = _run_forward(path, q, k, v, kind, scale, mask, None, softcap)
     if span is not None:
         trace.computed(span)
@@ -498,7 +510,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         raise ValueError("backward needs the row's final out, or its delta = rowsum(dout * out)")
     _check_block(q, k, kind, mask)
     span = trace.compute("backward", kind.value, q.shape[1], k.shape[1])
-    path = kernel_for(q, kind, _softcap_backend(backend, softcap), k.shape[1])
+    path = kernel_for(q, kind, backend, k.shape[1], softcap)
     if out is None and path not in DELTA_PATHS:
         out, delta = out_for_delta(dout, delta), None
     result = _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta, softcap)
@@ -517,7 +529,7 @@ def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: Blo
     call)."""
     _check_block(q, k, kind, mask, pieces)
     span = trace.compute("forward", kind.value, q.shape[1], k.shape[1], pieces)
-    path = kernel_for(q, kind, _softcap_backend(backend, softcap), k.shape[1])
+    path = kernel_for(q, kind, backend, k.shape[1], softcap)
     result = _run_forward(path, q, k, v, kind, scale, mask, None, softcap)
     if span is not None:
         trace.computed(span)
@@ -532,7 +544,7 @@ def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     per block); each block's rows carry its rows' final ``out`` and ``lse``."""
     _check_block(q, k, kind, mask, pieces)
     span = trace.compute("backward", kind.value, q.shape[1], k.shape[1], pieces)
-    path = kernel_for(q, kind, _softcap_backend(backend, softcap), k.shape[1])
+    path = kernel_for(q, kind, backend, k.shape[1], softcap)
     result = _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, None, softcap)
     if span is not None:
         trace.computed(span)

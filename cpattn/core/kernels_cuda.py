@@ -178,33 +178,56 @@ def flex_supported() -> bool:
     return True
 
 
-def flex_block(q, k, v, mask, scale, compiled: bool = True):
-    """FlexAttention of one PARTIAL block (or of stacked ones, ``mask [pieces, s_q, s_kv]``),
-    differentiable: ``(out [b, s_q, h, d], lse [b, h, s_q])``. Rows with no allowed key give out 0 and
-    lse -inf whatever the kernel leaves there. ``compiled=False`` runs the unfused implementation (the
-    only one on the CPU, forward only)."""
+def _softcap_mod(softcap: float) -> Callable:
+    """FlexAttention's ``score_mod`` for soft-capped scores: ``tanh(s / softcap) * softcap`` (the scale
+    is applied before it, as the kernel contract scales before capping)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+
+    return score_mod
+
+
+def _causal_mask(s_q: int, s_kv: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, s_q, s_kv, device=device)
+
+
+def flex_block(q, k, v, mask, scale, compiled: bool = True, kind=BlockKind.PARTIAL, softcap: float | None = None):
+    """FlexAttention of one block, differentiable: ``(out [b, s_q, h, d], lse [b, h, s_q])``. A PARTIAL
+    block (or stacked ones, ``mask [pieces, s_q, s_kv]``) brings its mask; FULL and CAUSAL blocks run
+    here only soft-capped (``softcap``: FlexAttention's ``score_mod``). Rows with no allowed key give
+    out 0 and lse -inf whatever the kernel leaves there. ``compiled=False`` runs the unfused
+    implementation (the only one on the CPU, forward only)."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
     fn = _compiled_flex() if compiled else flex_attention
     qt, kt, vt = _bhsd(q, k, v)
-    dense = per_row_mask(mask, q.shape[0], q.device)
+    dense = per_row_mask(mask, q.shape[0], q.device) if kind == BlockKind.PARTIAL else None
+    block_mask = (_block_mask(dense) if dense is not None
+                  else _causal_mask(q.shape[1], k.shape[1], q.device) if kind == BlockKind.CAUSAL else None)
     # the Triton backend is the one whose backward accepts a gradient of lse (grads_through_block)
-    out, aux = fn(qt, kt, vt, block_mask=_block_mask(dense), scale=scale,
+    out, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale,
+                  score_mod=None if softcap is None else _softcap_mod(softcap),
                   enable_gqa=k.shape[2] != q.shape[2], return_aux=AuxRequest(lse=True),
                   kernel_options={"BACKEND": "TRITON"})
+    out = out.transpose(1, 2)
+    if dense is None:
+        return out, aux.lse
     empty = empty_rows(dense)  # [s_q] or [b, s_q]
-    return (out.transpose(1, 2).masked_fill(empty[..., None, None], 0.0),
-            aux.lse.masked_fill(empty.unsqueeze(-2), float("-inf")))
+    return (out.masked_fill(empty[..., None, None], 0.0), aux.lse.masked_fill(empty.unsqueeze(-2), float("-inf")))
 
 
-def flex_forward(q, k, v, kind, scale, mask, compiled: bool = True):
+def flex_forward(q, k, v, kind, scale, mask, compiled: bool = True, softcap: float | None = None):
     with torch.no_grad():
-        return flex_block(q, k, v, mask, scale, compiled)
+        return flex_block(q, k, v, mask, scale, compiled, kind, softcap)
 
 
-def flex_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = True):
-    dq, dk, dv = grads_through_block(lambda a, b, c: flex_block(a, b, c, mask, scale, compiled),
+def flex_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = True, softcap: float | None = None):
+    dq, dk, dv = grads_through_block(lambda a, b, c: flex_block(a, b, c, mask, scale, compiled, kind, softcap),
                                      dout, q, k, v, out, lse)
+    if kind != BlockKind.PARTIAL:
+        return dq, dk, dv
     empty = empty_rows(per_row_mask(mask, q.shape[0], q.device))
     return dq.masked_fill(empty[..., None, None], 0.0), dk, dv
 

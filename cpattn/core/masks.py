@@ -1085,6 +1085,13 @@ def from_spec(spec: dict | str) -> Mask:
         raise ValueError(f"bad arguments for mask {kind!r}: {exc}") from None
 
 
+def has_documents(mask: Mask) -> bool:
+    """Whether ``mask`` packs documents: a :class:`DocumentMask`, or a combination with one."""
+    if isinstance(mask, DocumentMask):
+        return True
+    return isinstance(mask, _Combination) and (has_documents(mask.a) or has_documents(mask.b))
+
+
 def resolve(mask: Mask | str | dict) -> Mask:
     """Accept a :class:`Mask`, the strings ``"causal"`` / ``"full"``, or a :func:`from_spec` dict."""
     if isinstance(mask, Mask):

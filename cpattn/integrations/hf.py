@@ -20,8 +20,8 @@ window that the mask disagrees with, and ``position_ids`` that are not the token
 
 Each layer runs on the mask it asks for: a sliding-window layer on the view of the ContextParallel
 with its window added (Gemma 2 and 3, gpt-oss, Mistral-style hybrids). Attention sinks (gpt-oss's
-``s_aux``) are merged exactly, Gemma 2's soft-capped scores run on the ``math`` kernel path, and a layer
-recomputed by gradient checkpointing finds its ContextParallel on any thread.
+``s_aux``) are merged exactly, Gemma 2's soft-capped scores run on a kernel path that applies a score
+modification, and a layer recomputed by gradient checkpointing finds its ContextParallel on any thread.
 
 ``transformers`` is imported by :func:`register` only, never by ``import cpattn``.
 """

@@ -35,6 +35,7 @@ class AllGather(Schedule):
     only: str | None = None
     masks = "any"
     custom_layout = True
+    balances_documents = True
     memory = "O(global kv)"
     aliases = {"allgather": {}, "ringx3": {"hierarchical": True, "only": "causal"},
                "ringx3b": {"hierarchical": True, "only": "bidirectional"}}

@@ -50,6 +50,10 @@ class Schedule:
     memory: str = "O(local)"
     #: runs on any range layout (``ContextParallel(layout=...)``, e.g. "balanced"), not only its own
     custom_layout: bool = False
+    #: with no ``layout`` given, a document mask runs on ``cpattn.layout.balanced`` (rebalanced for each
+    #: step's lengths) rather than on the schedule's own layout: for schedules whose work per rank follows
+    #: the layout, and whose own layout is not what they are (zigzag_ring's zigzag, ulysses' head split)
+    balances_documents: bool = False
     #: runs a plan (``Runtime.plan``) built by ``cpattn.planner`` instead of declaring ``steps``: its traffic
     #: and estimate come from the plan. Building one takes from under a second to tens of seconds, so
     #: "auto" considers planned schedules only for masks other than causal and full.

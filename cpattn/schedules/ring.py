@@ -61,6 +61,7 @@ class RingSchedule(Schedule):
     layout = "contiguous"
     masks = "any"
     custom_layout = True
+    balances_documents = True
     memory = "O(local), 2 kv buffers"
     summary = "p2p ring of kv blocks; dk/dv travel with their kv"
 

@@ -181,6 +181,7 @@ class StripeRingSchedule(RingSchedule):
     name = "stripe_ring"
     layout = "striped"
     custom_layout = False
+    balances_documents = False
     summary = "p2p ring on the striped layout: balanced causal work"
 
     @staticmethod

@@ -40,6 +40,7 @@ class USPSchedule(Schedule):
     layout = "contiguous"
     masks = "any"
     custom_layout = True
+    balances_documents = True
     memory = "O(local), 2 kv buffers, head-split q, kv, out kept for the backward"
     summary = "Ulysses all-to-all inside groups (a node with a topology) x ring across them"
 

@@ -15,5 +15,6 @@ from .ring import RingSchedule
 class ZigzagRingSchedule(RingSchedule):
     name = "zigzag_ring"
     layout = "zigzag"
+    balances_documents = False  # the zigzag layout is what it is
     masks = "any"  # exact for every mask (blocks come from the classifier); balanced for causal
     summary = "p2p ring on the zigzag layout: balanced causal work"
