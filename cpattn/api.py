@@ -640,6 +640,18 @@ class ContextParallel:
         return self.plan(q, k).sizes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
                                      kernels.acc_bytes(q.dtype))
 
+    # ------------------------------------------------------------------ inference
+    def kv_cache(self, layers: int, kv_heads: int, head_dim: int, rows: int = 1, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, capacity: int = 0, merge: str = "auto",
+                 extend: str = "auto"):
+        """An empty key/value cache of ``layers`` layers sharded over this group
+        (:class:`cpattn.inference.KVCache`: prefill keeps each rank's tokens, decoding attends every shard
+        and merges exactly; its ``shape``, ``dtype`` and ``nbytes`` are this rank's)."""
+        from .inference import KVCache
+
+        return KVCache(self, layers, kv_heads, head_dim, rows=rows, dtype=dtype, device=device, capacity=capacity,
+                       merge=merge, extend=extend)
+
     # ------------------------------------------------------------------ accounting
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Bytes sent/received and calls per op kind on this rank, since creation or the last reset

@@ -54,6 +54,9 @@ _CHECKED_POSITIONS: contextvars.ContextVar[tuple | None] = contextvars.ContextVa
                                                                                   default=None)
 #: the ContextParallel and ``cu_seq_lens_q`` tensor last found to be its documents
 _CHECKED_CU: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("cpattn_hf_checked_cu", default=None)
+#: the decoding or multi-turn prefill step of :func:`generate` in progress (``hf_generate``): while set, every
+#: ``"cpattn"`` layer attends the sharded key/value cache through it
+_GENERATION: contextvars.ContextVar = contextvars.ContextVar("cpattn_hf_generation", default=None)
 
 #: keyword arguments of transformers' attention functions that change the result and that cpattn does not
 #: implement, with what to do instead
@@ -230,9 +233,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"attn_implementation={NAME!r} computes no attention weights: "
                                   "pass output_attentions=False")
+    step = _GENERATION.get()
+    if step is not None:  # hf.generate's decoding or multi-turn prefill: the sharded cache attends
+        return step.attention(module, query, key, value, scaling, kwargs), None
     if key.shape[2] != query.shape[2]:
         raise NotImplementedError(f"keys ({key.shape[2]} tokens) and queries ({query.shape[2]}) differ in length: "
-                                  "a key/value cache (generation) is not supported; pass use_cache=False")
+                                  "a transformers key/value cache is not supported; pass use_cache=False, or "
+                                  "generate with cpattn.integrations.hf.generate (a cache sharded over the group)")
     if query.shape[2] != cp.local_len:
         raise ValueError(f"the layer got {query.shape[2]} tokens but the ContextParallel holds {cp.local_len} per rank "
                          f"(seq_len={cp.seq_len}, padding included): pass inputs sharded by cp.shard(x, dim=1)")
