@@ -8,8 +8,9 @@ written as ``.tmp-step-NNNNNN`` and published by one rename once every rank's fi
 3. rank 0 writes ``record.json`` (through a temporary file, fsynced, renamed), fsyncs the directory,
    renames it to ``step-NNNNNN`` and fsyncs the checkpoint directory.
 
-``record.json`` holds the format version, the step, the data position (the step: a batch is a pure
-function of the seed and the step), the losses so far, the run's configuration and id, the cpattn
+``record.json`` holds the format version, the step, the data position (the step: a synthetic batch
+is a pure function of the seed and the step; a text run adds ``data``, its packer's position and the
+corpus fingerprint), the losses so far, the run's configuration and id, the cpattn
 and torch versions, every parameter's shape and the size and SHA-256 of every file of the step. A
 step is used only when its record validates and every file matches it; ``.tmp-*`` directories (a
 save that was cut short) are never read and are removed by the next run. Nothing is pickled: the
@@ -44,10 +45,10 @@ _STEP_RE = re.compile(r"^step-(\d{6,})$")
 _TMP_PREFIX = ".tmp-step-"
 _OLD_PREFIX = ".old-step-"
 #: fields of the configuration that change what a run computes: a resume that changes one is refused
-RESULT_FIELDS = ("model", "config", "task", "seed", "seq", "batch", "lr", "documents")
+RESULT_FIELDS = ("model", "config", "task", "seed", "seq", "batch", "lr", "documents", "dtype", "data", "tokenizer")
 #: fields a resume may change (logged): how the run is split and scheduled, how long and how often it
 #: saves, evaluates and reports
-FREE_FIELDS = ("dp", "cp", "schedule", "steps", "stop_after", "checkpoint", "checkpoint_every", "resume",
+FREE_FIELDS = ("dp", "cp", "fsdp", "schedule", "steps", "stop_after", "checkpoint", "checkpoint_every", "resume",
                "overwrite", "eval_every", "peak_tflops", "progress", "log", "plot")
 #: ``point[:step[:rank[:how]]]``: fail a save at ``point`` (``shards``: after DCP wrote the shards;
 #: ``record``: after ``record.json`` was written in the temporary directory, before the rename;
@@ -293,10 +294,17 @@ def param_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
     return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) parameter, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def save(root: str | Path, step: int, model: torch.nn.Module, optim, config, losses: list[float],
-         run_id: str) -> Path:
-    """Save model and optimizer as step ``step`` under ``root`` (a collective; see the module
-    docstring). Refuses non-finite parameters. Returns the published step directory."""
+         run_id: str, data: dict | None = None) -> Path:
+    """Save model and optimizer (replicated or sharded with FSDP2: DCP writes each rank's shards) as
+    step ``step`` under ``root`` (a collective; see the module docstring); ``data``: a JSON-able data
+    position beyond the step, kept in the record. Refuses non-finite parameters (each rank checks its
+    shards; any finding makes every rank refuse). Returns the published step directory."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -305,7 +313,7 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optim, config, los
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
     final, tmp = step_dir(root, step), root / f"{_TMP_PREFIX}{step:06d}"
     error = None
-    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(_local(p.detach())).all())]
     if bad:
         error = f"step {step}: parameter {bad[0]} is not finite; refusing to save it"
     elif rank == 0:
@@ -338,6 +346,8 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optim, config, los
             record = {"format": FORMAT, "step": step, "data_position": step, "run_id": run_id,
                       "cpattn": __version__, "torch": torch.__version__, "world": world, "config": cfg,
                       "losses": [float(x) for x in losses], "params": param_shapes(model), "files": files}
+            if data is not None:
+                record["data"] = data
             write_json_atomic(tmp / RECORD, record)
             _fsync_dir(tmp)
             _fault("record", step)

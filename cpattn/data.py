@@ -1,11 +1,15 @@
-"""Synthetic data for the reference models (:mod:`cpattn.models`): nothing to download, every sample a
-deterministic function of a ``torch.Generator``.
+"""Data for the reference models (:mod:`cpattn.models`): synthetic tasks (nothing to download, every
+sample a deterministic function of a ``torch.Generator``) and local text.
 
 - :func:`recall_batch`: associative recall, a language-model task that needs attention across the
   whole sequence;
 - :func:`packed_documents`: several documents per row, for the ``cpattn.masks.document`` mask;
 - :func:`advection_diffusion` and :func:`field_pairs`: a 2-D multi-channel field and (x_t, x_{t+1})
   training pairs for the ViT;
+- :class:`TextCorpus` and :class:`TextPacker`: documents of local text files (a directory, a JSONL
+  file's ``text`` fields, or one file), as bytes or through a ``tokenizers`` tokenizer, packed into rows
+  of documents; the packer's position is a small JSON-able state, so a resumed run continues at the
+  same document;
 - :func:`lm_loss_sums`, :func:`accuracy_sums`, :func:`mse_sums`: per-rank sums and counts, so that the
   global mean is one all-reduce of each away (``sum / count`` after summing both over the ranks);
   :func:`shard_labels`: labels sharded with padding ignored.
@@ -14,6 +18,11 @@ Labels use -100 (``IGNORE``) for positions without a target, as ``torch.nn.funct
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +103,195 @@ def packed_documents(batch: int, seq_len: int, vocab: int, lengths: list[int],
     labels[:, ends] = IGNORE
     position_ids = torch.cat([torch.arange(n) for n in lengths]).expand(batch, seq_len).contiguous()
     return tokens, labels, position_ids
+
+
+# ---------------------------------------------------------------------------------- local text
+#: vocabulary of the byte tokenizer (no tokenizer given): one token per byte
+BYTE_VOCAB = 256
+#: one document in every HOLD_OUT_EVERY (the last of each run of that many) is held out for evaluation
+HOLD_OUT_EVERY = 20
+
+
+class TextCorpus:
+    """Documents of local text, read on demand and tokenised once each (a small cache keeps the recent
+    ones).
+
+    ``path`` is a directory (every regular file under it whose name does not start with ``.``, sorted by
+    path: a ``*.jsonl`` file gives one document per line, any other file is one document), a ``.jsonl``
+    file (the string field ``text`` of each non-blank line, one document each) or any other file (one
+    document). ``tokenizer``: the path of a ``tokenizers`` JSON file (``Tokenizer.from_file``); without
+    one, documents are their UTF-8 bytes (vocabulary 256). Empty documents are left out.
+    ``fingerprint`` is the SHA-256 of the files' names and contents and the tokenizer file, so a resume
+    can tell that the corpus it continues is the one it was saved with."""
+
+    def __init__(self, path: str | Path, tokenizer: str | Path | None = None, cache: int = 256) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise ValueError(f"data path {self.path} does not exist")
+        h = hashlib.sha256()
+        self._docs: list[tuple[Path, int, int, bool]] = []  # (file, start, end, jsonl line)
+        files = sorted(p for p in self.path.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(self.path).parts)) if self.path.is_dir() else [self.path]
+        for file in files:
+            raw = file.read_bytes()
+            name = file.relative_to(self.path).as_posix() if self.path.is_dir() else file.name
+            h.update(name.encode() + b"\0" + len(raw).to_bytes(8, "little") + raw)
+            if file.suffix == ".jsonl":
+                self._index_jsonl(file, raw)
+            elif raw:
+                self._docs.append((file, 0, len(raw), False))
+        if not self._docs:
+            raise ValueError(f"data path {self.path} holds no text (no non-empty file or JSONL text field)")
+        self._tokenizer = None
+        self.vocab = BYTE_VOCAB
+        if tokenizer is not None:
+            try:
+                from tokenizers import Tokenizer
+            except ImportError:
+                raise ValueError("a tokenizer needs the tokenizers package: pip install tokenizers") from None
+            try:
+                self._tokenizer = Tokenizer.from_file(str(tokenizer))
+            except Exception as exc:  # tokenizers raises its own exception type for a bad file
+                raise ValueError(f"tokenizer {tokenizer} could not be loaded: {exc}") from None
+            self.vocab = self._tokenizer.get_vocab_size(with_added_tokens=True)
+            h.update(b"tokenizer\0" + Path(tokenizer).read_bytes())
+        self.fingerprint = h.hexdigest()
+        self._cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._cache_size = cache
+
+    def _index_jsonl(self, file: Path, raw: bytes) -> None:
+        start = 0
+        for number, line in enumerate(raw.split(b"\n"), start=1):
+            end = start + len(line)
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise ValueError(f"{file}:{number}: not valid JSON ({exc})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise ValueError(f"{file}:{number}: a JSONL line must be an object with a string 'text' field")
+                if record["text"]:
+                    self._docs.append((file, start, end, True))
+            start = end + 1
+
+    def __len__(self) -> int:
+        return len(self._docs)
+
+    def text(self, index: int) -> str:
+        """Document ``index``'s text."""
+        return self._raw(index).decode("utf-8", errors="replace")
+
+    def _raw(self, index: int) -> bytes:
+        file, start, end, jsonl = self._docs[index]
+        with open(file, "rb") as f:
+            f.seek(start)
+            raw = f.read(end - start)
+        return json.loads(raw)["text"].encode("utf-8") if jsonl else raw
+
+    def tokens(self, index: int) -> torch.Tensor:
+        """Document ``index`` as a 1-D long tensor of token ids (bytes without a tokenizer)."""
+        if index in self._cache:
+            self._cache.move_to_end(index)
+            return self._cache[index]
+        raw = self._raw(index)
+        if self._tokenizer is None:
+            ids = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+        else:
+            ids = torch.tensor(self._tokenizer.encode(raw.decode("utf-8", errors="replace"),
+                                                      add_special_tokens=False).ids, dtype=torch.long)
+        self._cache[index] = ids
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return ids
+
+    def split(self) -> tuple[list[int], list[int]]:
+        """``(train, held_out)`` document indices: with at least :data:`HOLD_OUT_EVERY` documents, every
+        ``HOLD_OUT_EVERY``-th is held out; with fewer, nothing is."""
+        every = HOLD_OUT_EVERY
+        if len(self) < every:
+            return list(range(len(self))), []
+        return [i for i in range(len(self)) if i % every != every - 1], list(range(every - 1, len(self), every))
+
+
+class TextPacker:
+    """Packs the documents ``order`` of a :class:`TextCorpus` (indices, taken in turn and again from the
+    start once all are used) into rows of ``seq_len`` tokens.
+
+    A row is filled with whole documents; a document that does not fit is cut, and its rest begins the
+    next row as a separate segment (a row never depends on another). Each segment is one document of
+    the row's document mask, with positions restarting at 0. Labels are each token's successor in its
+    document (also across a cut) and -100 at each document's last token.
+
+    :meth:`state_dict` is where the next batch begins (``{"epoch", "document", "offset"}``: the pass
+    over ``order``, the position in it, and the token offset inside that document);
+    :meth:`load_state_dict` continues there, so a resumed run packs exactly the batches an uninterrupted
+    one would."""
+
+    def __init__(self, corpus: TextCorpus, order: list[int], seq_len: int) -> None:
+        if not order:
+            raise ValueError("the packer needs at least one document")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.corpus, self.order, self.seq_len = corpus, list(order), seq_len
+        self.epoch, self.document, self.offset = 0, 0, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "document": self.document, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            epoch, document, offset = (int(state[k]) for k in ("epoch", "document", "offset"))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"a text data position needs integer epoch, document and offset, got {state!r}") from None
+        if not (epoch >= 0 and 0 <= document < len(self.order) and offset >= 0):
+            raise ValueError(f"text data position {state!r} is outside this corpus ({len(self.order)} documents)")
+        self.epoch, self.document, self.offset = epoch, document, offset
+
+    def current(self) -> int:
+        """The corpus index of the document the next batch begins with."""
+        return self.order[self.document]
+
+    def _advance(self) -> None:
+        self.document, self.offset = self.document + 1, 0
+        if self.document == len(self.order):
+            self.epoch, self.document = self.epoch + 1, 0
+
+    def next_batch(self, rows: int) -> dict:
+        """``rows`` packed rows: ``tokens``, ``labels``, ``position_ids`` (``[rows, seq_len]`` long),
+        ``lengths`` (each row's segment lengths, a list of lists summing to ``seq_len``) and ``documents``
+        (the corpus index of each row's first segment)."""
+        s = self.seq_len
+        tokens = torch.empty(rows, s, dtype=torch.long)
+        labels = torch.full((rows, s), IGNORE, dtype=torch.long)
+        positions = torch.empty(rows, s, dtype=torch.long)
+        lengths: list[list[int]] = []
+        firsts: list[int] = []
+        for r in range(rows):
+            row, filled, empties = [], 0, 0
+            firsts.append(self.current())
+            while filled < s:
+                doc = self.corpus.tokens(self.current())
+                left = len(doc) - self.offset
+                if left <= 0:
+                    empties += 1
+                    if empties > len(self.order):
+                        raise ValueError("the documents hold no tokens (every one is empty after tokenisation)")
+                    self._advance()
+                    continue
+                empties = 0
+                n = min(left, s - filled)
+                part = doc[self.offset:self.offset + n + 1]  # one more: the last token's successor
+                tokens[r, filled:filled + n] = part[:n]
+                labels[r, filled:filled + len(part) - 1] = part[1:]
+                positions[r, filled:filled + n] = torch.arange(n)
+                row.append(n)
+                filled += n
+                self.offset += n
+                if self.offset >= len(doc):
+                    self._advance()
+            lengths.append(row)
+        return {"tokens": tokens, "labels": labels, "position_ids": positions, "lengths": lengths,
+                "documents": firsts}
 
 
 # ---------------------------------------------------------------------------------- fields

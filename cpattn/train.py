@@ -4,21 +4,38 @@
 ``cpattn train --nproc N ...`` runs the same function on N local processes (:mod:`cpattn.launcher`).
 
 The world is a 2-D mesh ``(dp, cp)`` from ``init_device_mesh``: each context-parallel group (a row of
-the mesh) holds one replica of the model and splits every sequence of its share of the batch across
-its ranks with :class:`cpattn.ContextParallel`; the dp groups split the batch.
+the mesh) splits every sequence of its share of the batch across its ranks with
+:class:`cpattn.ContextParallel`; the dp groups split the batch.
 
-Exactness across meshes. Every rank draws the same global batch for step t (a pure function of the
-seed and t, which is also why a resumed run sees the same data), keeps its dp rows and its cp tokens,
-and computes the *sum* of its tokens' losses and their count. The loss is the mean over every token of
-the global batch: each rank divides its sum by the global count (one all-reduce), so that summing
-every rank's parameter gradients (one all-reduce over the whole world, dp and cp together: a CP rank's
-gradient covers only its own tokens' share) gives exactly the gradient of the global mean. So a run at
-any (dp, cp) and with any schedule follows the one-process run up to rounding.
+State. By default the parameters, gradients and AdamW state are sharded with FSDP2
+(``torch.distributed.fsdp.fully_shard``, each block and then the root) over the *flattened* dp x cp
+mesh, as torchtitan's ``dp_shard_cp``: context-parallel ranks hold different tokens of the same
+sequences, so for the weights they are data-parallel ranks like any other, and each rank keeps
+1 / (dp x cp) of the state. ``fsdp=False`` keeps a full copy on every rank (replicated), its gradients in
+one flat buffer summed in place by one all-reduce: the reference the sharded run is tested against.
+``dtype="bfloat16"`` runs the forward under bf16 autocast; parameters, gradients, their reduction and
+the optimizer stay float32.
+
+Exactness across meshes. Every rank builds the same global batch for step t (a pure function of the
+seed and t for the synthetic tasks; the text packer's position, saved with each checkpoint, for
+``data``), keeps its dp rows and its cp tokens, and computes the *sum* of its tokens' losses and their
+count. The loss is the mean over every token of the global batch: each rank divides its sum by the
+global count (one all-reduce), so that summing every rank's parameter gradients over the whole world
+(dp and cp together: a CP rank's gradient covers only its own tokens' share; FSDP2 is told to sum, not
+average) gives exactly the gradient of the global mean. So a run at any (dp, cp), sharded or not and
+with any schedule, follows the one-process run up to rounding.
+
+Throughput. A step's time runs from its prepared local batch (built, sliced, sharded, on the device)
+to the end of the optimizer step, so batch preparation is not counted; MFU is the model FLOPs
+(:mod:`cpattn.models.flops`) per second and rank over a peak: the device's data-sheet dense bf16 peak
+on a GPU the table knows (:data:`cpattn.models.flops.BF16_PEAK_TFLOPS`), else the matmul rate measured
+on every rank at once in the run's dtype (the CPU), else ``peak_tflops``; the record names which.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,27 +54,35 @@ from .api import ContextParallel
 from .core.masks import document
 
 MODELS = ("llama", "vit")
-TASKS = {"llama": ("recall", "documents"), "vit": ("fields",)}
+TASKS = {"llama": ("recall", "documents", "text"), "vit": ("fields",)}
 DEFAULT_SCHEDULE = {"llama": "zigzag_ring", "vit": "ringx1o"}
 #: ``--mask`` -> the task that trains with that mask
 MASK_TASKS = {"causal": "recall", "document": "documents", "full": "fields"}
-#: rows of the held-out batch each evaluation uses
+#: compute dtypes: float32, or bfloat16 autocast (parameters, gradients and optimizer state float32)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: rows of the held-out batch each evaluation uses (synthetic tasks; text: one global batch)
 EVAL_BATCH = 64
 #: trajectories and time steps of the generated fields the ViT trains on
 FIELD_SAMPLES, FIELD_STEPS = 16, 12
+#: side of the square matmul whose measured rate is the peak where the device has no data-sheet entry
+PEAK_MATMUL_N = 1024
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. ``batch``: sequences (or fields) per step over the whole world, divisible by
     ``dp``. ``seq``: tokens per sequence (llama; the ViT's is its patch count). ``task``: ``recall``
-    (associative recall, causal mask) or ``documents`` (packed documents, document mask) for llama;
-    ``fields`` for the ViT. ``stop_after``: end after this step, as an interrupted run would.
-    ``checkpoint``: a directory holding one run (:mod:`cpattn.checkpoint`); saved every
-    ``checkpoint_every`` steps (0: at the end only; always at the end and on SIGTERM), resumed from its
-    newest intact step with ``resume``; a new run refuses a directory that holds another run's steps
-    unless ``overwrite`` (which deletes them). ``peak_tflops``: per rank, for MFU (None: the matmul rate
-    measured on every rank at once, :func:`world_matmul_peak`)."""
+    (associative recall, causal mask), ``documents`` (packed synthetic documents, document mask) or
+    ``text`` (``data``: local text packed into rows of documents, the document mask of each step) for
+    llama; ``fields`` for the ViT. ``data``: a directory, a JSONL file (its ``text`` fields) or a text
+    file (:class:`cpattn.data.TextCorpus`), ``tokenizer``: a ``tokenizers`` JSON file (else bytes); the
+    model's vocabulary becomes the tokenizer's. ``fsdp``: shard parameters, gradients and optimizer
+    state over the dp x cp ranks (FSDP2), else replicate them. ``dtype``: ``float32`` or ``bfloat16``
+    (autocast). ``stop_after``: end after this step, as an interrupted run would. ``checkpoint``: a
+    directory holding one run (:mod:`cpattn.checkpoint`); saved every ``checkpoint_every`` steps (0: at
+    the end only; always at the end and on SIGTERM), resumed from its newest intact step with
+    ``resume``; a new run refuses a directory that holds another run's steps unless ``overwrite``
+    (which deletes them). ``peak_tflops``: per rank, for MFU (None: see the module docstring)."""
 
     model: str = "llama"
     config: str = "tiny"
@@ -81,11 +106,15 @@ class TrainConfig:
     log: str | None = None
     plot: str | None = None
     documents: tuple[int, ...] = field(default=())
+    fsdp: bool = True
+    dtype: str = "float32"
+    data: str | None = None
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"model={self.model!r} is unknown; accepted: {', '.join(MODELS)}")
-        task = self.task or TASKS[self.model][0]
+        task = self.task or ("text" if self.data else TASKS[self.model][0])
         if task not in TASKS[self.model]:
             raise ValueError(f"task={task!r} is not a {self.model} task; accepted: {', '.join(TASKS[self.model])}")
         object.__setattr__(self, "task", task)
@@ -117,6 +146,17 @@ class TrainConfig:
         if self.task == "documents" and self.documents and sum(self.documents) != self.seq:
             raise ValueError(f"document lengths {list(self.documents)} sum to {sum(self.documents)}, "
                              f"not seq={self.seq}")
+        if self.documents and self.task != "documents":
+            raise ValueError(f"document lengths are for task 'documents', not {self.task!r}")
+        if (self.task == "text") != bool(self.data):
+            raise ValueError("task 'text' trains on --data PATH" if self.task == "text" else
+                             f"--data trains task 'text' (llama), not {self.task!r}")
+        if self.tokenizer and not self.data:
+            raise ValueError("a tokenizer needs --data")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown; accepted: {', '.join(DTYPES)}")
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"fsdp must be a bool, got {self.fsdp!r}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops must be > 0, got {self.peak_tflops!r}")
 
@@ -139,11 +179,13 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------------- the mesh
-_MESHES: dict[tuple[str, int, int], object] = {}
+_MESHES: dict[tuple[str, int, int], tuple] = {}
 
 
 def mesh(dp: int, cp: int, device_type: str = "cpu"):
-    """The ("dp", "cp") DeviceMesh of the default world (built once per shape and process: collective)."""
+    """``(grid, flat)``: the ("dp", "cp") DeviceMesh of the default world and its flattened 1-D
+    ``"dp_cp"`` mesh, the one FSDP2 shards over (torchtitan's ``dp_shard_cp``); built once per shape
+    and process (collective)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -151,23 +193,37 @@ def mesh(dp: int, cp: int, device_type: str = "cpu"):
         raise ValueError(f"dp={dp} x cp={cp} = {dp * cp} ranks, but the world has {world}")
     key = (device_type, dp, cp)
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        grid = init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        _MESHES[key] = grid, grid["dp", "cp"]._flatten("dp_cp")
     return _MESHES[key]
 
 
-def world_matmul_peak(seconds: float = 0.5) -> float:
-    """:func:`matmul_peak` measured on every rank at once (as they compute during training: ranks that
-    share cores share them here too), averaged over the world (FLOP/s per rank; collective)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    rate = torch.tensor([matmul_peak(device, seconds)], dtype=torch.float64, device=device)
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def world_peak(dtype: str = "float32", seconds: float = 0.5) -> tuple[float, str]:
+    """``(FLOP/s per rank, what it is)``: the peak MFU is taken against (collective). On a GPU the
+    :data:`cpattn.models.flops.BF16_PEAK_TFLOPS` table knows, its data-sheet dense bf16 peak; otherwise
+    the ``dtype`` matmul rate measured on every rank at once (as they compute during training: ranks
+    that share cores share them here too), averaged over the world."""
+    from .models.flops import datasheet_peak
+
+    device = _device()
+    if device.type == "cuda":
+        found = datasheet_peak(torch.cuda.get_device_name(device))
+        if found is not None:
+            return found[1], f"{found[0]} data-sheet dense bf16 peak"
+    rate = torch.tensor([matmul_peak(device, DTYPES[dtype], seconds)], dtype=torch.float64, device=device)
     dist.all_reduce(rate)
-    return float(rate) / dist.get_world_size()
+    return float(rate) / dist.get_world_size(), (f"measured {dtype} matmul peak ({PEAK_MATMUL_N}^2, every rank "
+                                                 f"at once)")
 
 
-def matmul_peak(device: torch.device, seconds: float = 0.2) -> float:
-    """Measured float32 matmul rate of this rank (FLOP/s): the peak MFU is taken against by default."""
-    n = 512
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+def matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.2) -> float:
+    """Measured rate of a :data:`PEAK_MATMUL_N`-square matmul in ``dtype`` on this rank (FLOP/s)."""
+    n = PEAK_MATMUL_N
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b
     calls, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -180,46 +236,67 @@ def matmul_peak(device: torch.device, seconds: float = 0.2) -> float:
 
 # ---------------------------------------------------------------------------------- one task
 class _Task:
-    """Model, data and loss of one run, on this rank (every method is deterministic in (seed, step))."""
+    """Model, data and loss of one run, on this rank. The synthetic tasks' batches are pure functions
+    of (seed, step); the text task's come from a packer whose position is saved with each checkpoint."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         from . import data
         from .models import flops
 
-        self.cfg, self.device, self.data = cfg, device, data
-        torch.manual_seed(cfg.seed)  # the same initial parameters on every rank
+        self.cfg, self.device, self.data, self.flops = cfg, device, data, flops
+        self.corpus = self.packer = None
         if cfg.model == "llama":
             from .models.llama import LLAMA_CONFIGS, Llama
 
             self.mconf = _pick(LLAMA_CONFIGS, cfg.config, "llama")
-            self.model = Llama(self.mconf).to(device)
             self.seq = cfg.seq
+            if cfg.task == "text":
+                self.corpus = data.TextCorpus(cfg.data, cfg.tokenizer)
+                self.mconf = dataclasses.replace(self.mconf, vocab=self.corpus.vocab)
+                train_docs, self.held_out = self.corpus.split()
+                self.packer = data.TextPacker(self.corpus, train_docs, self.seq)
+            torch.manual_seed(cfg.seed)  # the same initial parameters on every rank
+            self.model = Llama(self.mconf).to(device)
             self.mask = document(list(cfg.document_lengths())) if cfg.task == "documents" else "causal"
-            pairs = self._allowed_pairs()
-            self.flops_per_token = flops.llama_flops_per_token(self.mconf, self.seq, pairs)
         else:
             from .models.vit import VIT_CONFIGS, ViT
 
             self.mconf = _pick(VIT_CONFIGS, cfg.config, "vit")
+            torch.manual_seed(cfg.seed)
             self.model = ViT(self.mconf).to(device)
             self.seq = (self.mconf.height // self.mconf.patch) * (self.mconf.width // self.mconf.patch)
             self.mask = "full"
-            self.flops_per_token = flops.vit_flops_per_token(self.mconf, self.seq)
             m = self.mconf  # the training and held-out fields: trajectories from two seeds
             self.fields = [data.advection_diffusion(samples, m.channels, m.height, m.width, FIELD_STEPS,
                                                     generator=self.generator(0, stream=2 + i))
                            for i, samples in enumerate((FIELD_SAMPLES, EVAL_BATCH))]
 
-    def _allowed_pairs(self) -> int:
-        if self.cfg.task == "documents":
-            return sum(n * (n + 1) // 2 for n in self.cfg.document_lengths())
-        return self.seq * (self.seq + 1) // 2
+    @property
+    def cp_len(self) -> int:
+        """The sequence one ContextParallel spans: a row, or (text) a dp rank's rows flattened."""
+        return self.seq * (self.cfg.batch // self.cfg.dp) if self.cfg.task == "text" else self.seq
 
     def generator(self, step: int, stream: int = 0) -> torch.Generator:
         return torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + 7919 * stream + step)
 
-    def batch(self, rows: int, gen: torch.Generator, held_out: bool = False) -> dict[str, torch.Tensor]:
-        """A global batch of ``rows`` (identical on every rank); ``held_out``: from the evaluation fields."""
+    def batch(self, step: int) -> dict:
+        """Step ``step``'s global batch (identical on every rank; text: the packer moves on)."""
+        if self.packer is not None:
+            return self.packer.next_batch(self.cfg.batch)
+        return self._synthetic(self.cfg.batch, self.generator(step))
+
+    def held_out_batch(self) -> dict:
+        """The fixed held-out batch of every evaluation."""
+        cfg = self.cfg
+        if self.packer is not None:
+            if not self.held_out:
+                raise ValueError(f"evaluation needs held-out documents: --data holds {len(self.corpus)}, fewer "
+                                 f"than {self.data.HOLD_OUT_EVERY} (one in {self.data.HOLD_OUT_EVERY} is held out)")
+            return self.data.TextPacker(self.corpus, self.held_out, self.seq).next_batch(cfg.batch)
+        rows = max(cfg.dp, EVAL_BATCH // cfg.dp * cfg.dp)
+        return self._synthetic(rows, self.generator(0, stream=1), held_out=True)
+
+    def _synthetic(self, rows: int, gen: torch.Generator, held_out: bool = False) -> dict:
         cfg, m = self.cfg, self.mconf
         if cfg.model == "vit":
             x, y = self.data.field_pairs(self.fields[held_out], rows, gen)
@@ -232,28 +309,56 @@ class _Task:
                                                                   list(cfg.document_lengths()), gen)
         return {"tokens": tokens, "labels": labels, "position_ids": position_ids}
 
-    def local_sums(self, b: dict[str, torch.Tensor], cp: ContextParallel) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   dict[str, torch.Tensor]]:
-        """This rank's loss sum and count for its rows of ``b``, plus evaluation sums."""
-        pad = cp.positions() < 0
+    def local(self, full: dict, dp_rank: int, cp: ContextParallel) -> tuple[dict, ContextParallel]:
+        """This rank's inputs for its dp rows of ``full``, sharded by ``cp`` (text: by the view of the
+        rows' document mask) and on the device; and the ContextParallel (or view) they run on."""
+        rows = len(full["labels" if "labels" in full else "y"]) // self.cfg.dp
+        mine = {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in full.items()}
         dev = self.device
         if self.cfg.model == "vit":
             from .models.vit import patchify
 
             p = self.mconf.patch
-            x = cp.shard(patchify(b["x"], p), dim=1).to(dev)
-            y = cp.shard(patchify(b["y"], p), dim=1).to(dev)
-            pred = self.model(x, cp.positions().to(dev), cp)
-            err, count = self.data.mse_sums(pred, y, valid=~pad)
-            persistence, _ = self.data.mse_sums(x, y, valid=~pad)
+            return {"x": cp.shard(patchify(mine["x"], p), dim=1).to(dev),
+                    "y": cp.shard(patchify(mine["y"], p), dim=1).to(dev)}, cp
+        if self.cfg.task == "text":  # the rows flattened into one packed sequence
+            cp = cp.with_mask(document([n for row in mine["lengths"] for n in row]))
+            mine = {k: mine[k].reshape(1, -1) for k in ("tokens", "labels", "position_ids")}
+        out = {"tokens": cp.shard(mine["tokens"], dim=1).to(dev),
+               "labels": self.data.shard_labels(cp, mine["labels"]).to(dev)}
+        out["positions"] = cp.shard(mine["position_ids"], dim=1).to(dev) if "position_ids" in mine \
+            else cp.positions().to(dev)
+        return out, cp
+
+    def sums(self, inputs: dict, cp: ContextParallel) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's loss sum and count for ``inputs`` (from :meth:`local`), plus evaluation sums."""
+        if self.cfg.model == "vit":
+            valid = cp.positions() >= 0
+            pred = self.model(inputs["x"], cp.positions().to(self.device), cp)
+            err, count = self.data.mse_sums(pred, inputs["y"], valid=valid)
+            persistence, _ = self.data.mse_sums(inputs["x"], inputs["y"], valid=valid)
             return err, count, {"persistence": persistence.detach()}
-        tokens = cp.shard(b["tokens"], dim=1).to(dev)
-        labels = self.data.shard_labels(cp, b["labels"]).to(dev)
-        positions = cp.shard(b["position_ids"], dim=1).to(dev) if "position_ids" in b else cp.positions().to(dev)
-        logits = self.model(tokens, positions, cp)
-        loss_sum, count = self.data.lm_loss_sums(logits, labels)
-        correct, _ = self.data.accuracy_sums(logits.detach(), labels)
+        logits = self.model(inputs["tokens"], inputs["positions"], cp)
+        loss_sum, count = self.data.lm_loss_sums(logits, inputs["labels"])
+        correct, _ = self.data.accuracy_sums(logits.detach(), inputs["labels"])
         return loss_sum, count, {"correct": correct}
+
+    def step_flops(self, full: dict) -> float:
+        """Model FLOPs of one training step on the global batch ``full`` (forward and backward)."""
+        f, cfg = self.flops, self.cfg
+        if cfg.model == "vit":
+            return f.vit_flops_per_token(self.mconf, self.seq) * self.seq * cfg.batch
+        if cfg.task == "text":
+            return sum(f.llama_flops_per_token(self.mconf, self.seq, sum(n * (n + 1) // 2 for n in row)) * self.seq
+                       for row in full["lengths"])
+        pairs = sum(n * (n + 1) // 2 for n in cfg.document_lengths()) if cfg.task == "documents" else None
+        return f.llama_flops_per_token(self.mconf, self.seq, pairs) * self.seq * cfg.batch
+
+    def chance(self) -> float | None:
+        """Chance accuracy of the recall answers (None for other tasks)."""
+        if self.cfg.task != "recall":
+            return None
+        return 1 / len(self.data.recall_ranges(self.mconf.vocab)[2])
 
 
 def _pick(configs: dict, name: str, model: str):
@@ -276,6 +381,84 @@ def _recall_pairs(seq: int) -> int:
     return max(2, min(8, seq // 16))
 
 
+# ---------------------------------------------------------------------------------- sharded or replicated state
+def parallelize(model: torch.nn.Module, cfg: TrainConfig, flat) -> torch.nn.Module:
+    """Shard ``model`` with FSDP2 over the flattened dp x cp mesh (``cfg.fsdp``): each block, then the
+    root (embedding, final norm, head); every FSDP module sums its gradients over the ranks instead of
+    averaging them (the loss is already each rank's share of the global mean) with plain SUM
+    collectives (gloo has no pre-multiplied sum). Returns the model (unchanged when not ``cfg.fsdp``)."""
+    if not cfg.fsdp:
+        return model
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for block in model.layers:
+        fully_shard(block, mesh=flat)
+    fully_shard(model, mesh=flat)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local shard), or ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class _ShardedGrads:
+    """FSDP2 gradients: already summed and sharded by the backward's reduce-scatters."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optim: torch.optim.Optimizer) -> None:
+        self.params, self.optim = params, optim
+
+    def sync(self) -> float:
+        """The norm of the summed gradient (the same on every rank): one all-reduce of the shards'
+        squared norms."""
+        sq = sum((_local(p.grad).double().pow(2).sum() for p in self.params if p.grad is not None),
+                 torch.zeros((), dtype=torch.float64, device=self.params[0].device))
+        dist.all_reduce(sq)
+        return float(sq.sqrt())
+
+    def zero(self) -> None:
+        self.optim.zero_grad(set_to_none=True)
+
+
+class _ReplicatedGrads:
+    """Replicated gradients: each ``p.grad`` is a view into one flat float32 buffer that the backward
+    accumulates into in place, summed over the whole world by one all-reduce (no copies)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def sync(self) -> float:
+        dist.all_reduce(self.flat)
+        return float(self.flat.norm())
+
+    def zero(self) -> None:
+        self.flat.zero_()
+
+
+def state_bytes(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for the parameters, their gradients and the optimizer state (each storage
+    counted once: FSDP2's padded shards, the replicated gradient buffer)."""
+    def held(tensors) -> int:
+        storages = {}
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                s = _local(t).untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values())
+
+    params = list(model.parameters())
+    return {"params": held(params), "grads": held(p.grad for p in params if p.grad is not None),
+            "optimizer": held(v for state in optim.state.values() for v in state.values())}
+
+
 # ---------------------------------------------------------------------------------- checks before start-up
 def _mask_of(cfg: TrainConfig):
     from .core import masks
@@ -284,6 +467,9 @@ def _mask_of(cfg: TrainConfig):
         return masks.resolve("full")
     if cfg.task == "documents":
         return document(list(cfg.document_lengths()))
+    if cfg.task == "text":  # a typical step's mask: rows of documents
+        half = cfg.seq // 2
+        return document([n for _ in range(cfg.batch // cfg.dp) for n in (half, cfg.seq - half) if n])
     return masks.resolve("causal")
 
 
@@ -291,6 +477,7 @@ def check_schedule(cfg: TrainConfig) -> None:
     """Raise ValueError (one line) unless ``cfg.schedule`` can run the run's mask and head shapes on
     ``cfg.cp`` ranks; nothing communicates."""
     from . import schedules
+    from .core import masks
 
     if cfg.schedule == "auto":
         return
@@ -298,10 +485,15 @@ def check_schedule(cfg: TrainConfig) -> None:
     mask = _mask_of(cfg)
     m = _model_config(cfg.model, cfg.config)
     seq = cfg.seq if cfg.model == "llama" else m.n_patches
+    rows = cfg.batch // cfg.dp
+    if cfg.task == "text":  # a dp rank's rows are one packed sequence
+        seq, rows = seq * rows, 1
     local = -(-seq // cfg.cp)
-    q = torch.empty((cfg.batch // cfg.dp, local, m.heads, m.dim // m.heads), device="meta")
-    k = torch.empty((cfg.batch // cfg.dp, local, m.kv_heads, m.dim // m.heads), device="meta")
+    q = torch.empty((rows, local, m.heads, m.dim // m.heads), device="meta")
+    k = torch.empty((rows, local, m.kv_heads, m.dim // m.heads), device="meta")
     try:
+        if cfg.task == "text":
+            sched.check_mask(masks.resolve("causal"))
         sched.check_mask(mask)
         sched.check_shape(q, k, cfg.cp)
     except (ValueError, TypeError, NotImplementedError) as exc:
@@ -313,8 +505,18 @@ def preflight(cfg: TrainConfig, checksums: bool = False) -> list[str]:
     """Every check a run can make before any worker starts (ValueError, one line, when one fails): the
     schedule against the mask, and the checkpoint directory: a new run refuses one that holds another
     run (unless ``overwrite``); a resume needs an intact step whose configuration may be continued and
-    that leaves steps to train. Returns notes to show (steps passed over, fields a resume changes)."""
+    that leaves steps to train, and (text) a data position in the same corpus; the text data: files
+    that read as documents, the tokenizer, held-out documents when evaluating. Returns notes to show
+    (steps passed over, fields a resume changes)."""
     check_schedule(cfg)
+    corpus = None
+    if cfg.task == "text":
+        from .data import HOLD_OUT_EVERY, TextCorpus
+
+        corpus = TextCorpus(cfg.data, cfg.tokenizer)
+        if cfg.eval_every and not corpus.split()[1]:
+            raise ValueError(f"--eval-every needs held-out documents: {cfg.data} holds {len(corpus)}, fewer than "
+                             f"{HOLD_OUT_EVERY} (one in {HOLD_OUT_EVERY} is held out); drop --eval-every")
     if not cfg.checkpoint:
         return []
     if not cfg.resume:
@@ -325,7 +527,21 @@ def preflight(cfg: TrainConfig, checksums: bool = False) -> list[str]:
     notes = [f"passed over {p}" for p in passed]
     notes += [f"resume changes {n}" for n in ckpt.check_resume(rec["config"], dataclasses.asdict(cfg))]
     _check_steps_left(cfg, step, path)
+    if corpus is not None:
+        text_position(rec, corpus, path)
     return notes
+
+
+def text_position(rec: dict, corpus, path) -> dict:
+    """The text data position saved in the checkpoint record ``rec`` (of step ``path``), after checking
+    that it belongs to ``corpus`` (CheckpointError otherwise)."""
+    saved = rec.get("data")
+    if not isinstance(saved, dict) or not isinstance(saved.get("position"), dict):
+        raise ckpt.CheckpointError(f"resume: {path} holds no text data position (saved by a run without --data)")
+    if saved.get("fingerprint") != corpus.fingerprint:
+        raise ckpt.CheckpointError(f"resume: the text under {corpus.path} (or the tokenizer) is not what {path} was "
+                                   f"trained on (their SHA-256 differ); resume with the same files")
+    return saved["position"]
 
 
 def _check_steps_left(cfg: TrainConfig, step: int, path) -> None:
@@ -418,8 +634,9 @@ def run_rank(config: dict | TrainConfig, return_params: bool = False) -> dict:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _setup_checkpoint(cfg: TrainConfig, model, optim) -> tuple[int, list[float], str | None, list[str]]:
-    """Prepare the checkpoint directory (collective): ``(start_step, losses, run_id, notes)``."""
+def _setup_checkpoint(cfg: TrainConfig, model, optim, task: _Task) -> tuple[int, list[float], str | None, list[str]]:
+    """Prepare the checkpoint directory (collective): ``(start_step, losses, run_id, notes)``; a resumed
+    text run's packer continues at the saved position."""
     if not cfg.checkpoint:
         return 0, [], None, []
     error = None
@@ -437,59 +654,90 @@ def _setup_checkpoint(cfg: TrainConfig, model, optim) -> tuple[int, list[float],
         dist.broadcast_object_list(ids, src=0)
         return 0, [], ids[0], []
     step, rec, notes = ckpt.load(cfg.checkpoint, model, optim, cfg)
-    _check_steps_left(cfg, step, ckpt.step_dir(cfg.checkpoint, step))
+    path = ckpt.step_dir(cfg.checkpoint, step)
+    _check_steps_left(cfg, step, path)
+    if task.packer is not None:
+        task.packer.load_state_dict(text_position(rec, task.corpus, path))
     return step, list(rec["losses"])[:step], rec["run_id"], notes
 
 
+def _data_state(task: _Task) -> dict | None:
+    """What a checkpoint records of the data beyond the step: the text packer's position."""
+    if task.packer is None:
+        return None
+    return {"fingerprint": task.corpus.fingerprint, "position": task.packer.state_dict()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _train(cfg: TrainConfig, return_params: bool) -> dict:
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = _device()
     check_schedule(cfg)
-    grid = mesh(cfg.dp, cfg.cp, device.type)
+    grid, flat = mesh(cfg.dp, cfg.cp, device.type)
     dp_rank = grid.get_local_rank("dp")
     task = _Task(cfg, device)
-    cp = ContextParallel(task.seq, task.mask, cfg.schedule, group=grid["cp"])
-    model = task.model
+    cp = ContextParallel(task.cp_len, task.mask, cfg.schedule, group=grid["cp"])
+    model = parallelize(task.model, cfg, flat)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     params = [p for p in model.parameters() if p.requires_grad]
-    rows = cfg.batch // cfg.dp
-    start_step, losses, run_id, notes = _setup_checkpoint(cfg, model, optim)
+    start_step, losses, run_id, notes = _setup_checkpoint(cfg, model, optim, task)
+    grads = _ShardedGrads(params, optim) if cfg.fsdp else _ReplicatedGrads(params)  # after a load: it sets .grad
     if dist.get_rank() == 0:
         for note in notes:
             _say(f"checkpoint: {note}")
         if cfg.resume:
             _say(f"checkpoint: resuming {ckpt.step_dir(cfg.checkpoint, start_step)}")
     saved = start_step or None
-    peak = cfg.peak_tflops * 1e12 if cfg.peak_tflops else world_matmul_peak()
+    peak, peak_source = (cfg.peak_tflops * 1e12, "--peak-tflops") if cfg.peak_tflops else world_peak(cfg.dtype)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bfloat16"
+                else contextlib.nullcontext())
     last = cfg.stop_after or cfg.steps
-    times, evals = [], []
+    times, step_flops, evals, held = [], [], [], None
+    documents = []  # the corpus document each step's first row begins with (text)
     stopped = None
     _status(start_step, "train")
     progress = _Progress(cfg, last, start_step) if cfg.progress and dist.get_rank() == 0 else None
     for step in range(start_step + 1, last + 1):
-        t0 = time.perf_counter()
-        full = task.batch(cfg.batch, task.generator(step))
-        mine = {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in full.items()}
-        loss_sum, count, _ = task.local_sums(mine, cp)
-        totals = torch.stack([count.detach().to(torch.float64), loss_sum.detach().to(torch.float64)])
-        dist.all_reduce(totals)  # the global token count, and the global loss sum for the log
-        loss = float(totals[1] / totals[0])
+        full = task.batch(step)
+        inputs, view = task.local(full, dp_rank, cp)
+        _sync(device)
+        t0 = time.perf_counter()  # batch preparation (generation, packing, sharding, the copy) is not timed
+        with autocast:
+            loss_sum, count, _ = task.sums(inputs, view)
+        totals = torch.stack([count.detach().to(torch.float64), loss_sum.detach().to(torch.float64),
+                              torch.tensor(float(_STOP["signal"] is not None), dtype=torch.float64,
+                                           device=count.device)])
+        dist.all_reduce(totals)  # the global token count and loss sum, and whether any rank was told to stop
+        loss, stop = float(totals[1] / totals[0]), bool(totals[2] > 0)
         _guard(step, "loss", loss, cfg, saved)  # the same value, so the same decision, on every rank
         (loss_sum / totals[0].to(loss_sum.dtype)).backward()
-        stop, norm = _all_reduce_grads(params, _STOP["signal"] is not None)
+        norm = grads.sync()
         _guard(step, "gradient norm", norm, cfg, saved)
         optim.step()
-        optim.zero_grad(set_to_none=True)
-        losses.append(loss)
+        if held is None:
+            held = state_bytes(model, optim)
+        grads.zero()
+        _sync(device)
         times.append(time.perf_counter() - t0)
+        step_flops.append(task.step_flops(full))
+        losses.append(loss)
+        if "documents" in full:
+            documents.append(full["documents"][0])
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == last):
-            evals.append({"step": step, **evaluate(task, cp, dp_rank)})
+            evals.append({"step": step, **evaluate(task, cp, dp_rank, autocast)})
+            if dist.get_rank() == 0:
+                line = evaluation_line(evals[-1], task.chance())
+                progress.print(line) if progress is not None else print(line, flush=True)
         if cfg.checkpoint and ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == last or stop):
             _status(step, "save")
-            ckpt.save(cfg.checkpoint, step, model, optim, cfg, losses, run_id)
+            ckpt.save(cfg.checkpoint, step, model, optim, cfg, losses, run_id, data=_data_state(task))
             saved = step
         _status(step, "train")
         if progress is not None:
-            progress.update(step, losses[-1], _rate(cfg, task, times, peak))
+            progress.update(step, losses[-1], _rate(cfg, task, times, step_flops, peak))
         if stop and step < last:
             stopped = step
             break
@@ -501,52 +749,42 @@ def _train(cfg: TrainConfig, return_params: bool) -> dict:
         _say(f"rank {dist.get_rank()}: stopped by SIGTERM after step {stopped}; {where}")
     record = {"config": dataclasses.asdict(cfg), "losses": losses, "first_step": start_step + 1,
               "evaluations": evals, "schedule": cp.schedule_name, "rank": dist.get_rank(), "stopped": stopped,
-              "checkpoint_notes": notes,
-              "params": [p.detach().cpu().clone() for p in params] if return_params else None,
-              **_rate(cfg, task, times, peak)}
+              "checkpoint_notes": notes, "state_bytes": held, "chance": task.chance(),
+              "documents": documents, "data_position": task.packer.state_dict() if task.packer else None,
+              "params": [_full(p).detach().cpu().clone() for p in params] if return_params else None,
+              **_rate(cfg, task, times, step_flops, peak), "peak_source": peak_source}
     if dist.get_rank() == 0:
         _write_outputs(cfg, record)
     return record
 
 
-def _all_reduce_grads(params: list[torch.nn.Parameter], stop: bool = False) -> tuple[bool, float]:
-    """Sum every parameter's gradient over the whole world (dp and cp) in one flat all-reduce, which
-    also carries each rank's ``stop`` flag; returns whether any rank asked to stop, and the norm of
-    the summed gradient (the same on every rank)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flag = torch.tensor([1.0 if stop else 0.0], dtype=grads[0].dtype, device=grads[0].device)
-    flat = torch.cat([g.reshape(-1) for g in grads] + [flag])
-    dist.all_reduce(flat)
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
-        offset += n
-    return bool(flat[-1] > 0), float(flat[:-1].norm())
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The whole of parameter ``p`` (a sharded one is gathered: collective)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _rate(cfg: TrainConfig, task: _Task, times: list[float], peak: float) -> dict:
+def _rate(cfg: TrainConfig, task: _Task, times: list[float], step_flops: list[float], peak: float) -> dict:
     """Throughput over the steps after the first (warm-up), or the first alone."""
-    timed = times[1:] or times
-    if not timed:
-        return {"tokens_per_s": 0.0, "tflops_per_rank": 0.0, "mfu": 0.0, "step_seconds": 0.0}
-    step_s = sum(timed) / len(timed)
-    tokens = cfg.batch * task.seq / step_s
-    per_rank = task.flops_per_token * tokens / cfg.world
-    return {"tokens_per_s": tokens, "tflops_per_rank": per_rank / 1e12, "mfu": per_rank / peak,
-            "step_seconds": step_s, "peak_tflops_per_rank": peak / 1e12}
+    timed = slice(1, None) if len(times) > 1 else slice(None)
+    seconds, flops = sum(times[timed]), sum(step_flops[timed])
+    if not seconds:
+        return {"tokens_per_s": 0.0, "tflops_per_rank": 0.0, "mfu": 0.0, "step_seconds": 0.0,
+                "peak_tflops_per_rank": peak / 1e12}
+    steps = len(times[timed])
+    per_rank = flops / seconds / cfg.world
+    return {"tokens_per_s": cfg.batch * task.seq * steps / seconds, "tflops_per_rank": per_rank / 1e12,
+            "mfu": per_rank / peak, "step_seconds": seconds / steps, "peak_tflops_per_rank": peak / 1e12}
 
 
 @torch.no_grad()
-def evaluate(task: _Task, cp: ContextParallel, dp_rank: int) -> dict:
-    """Held-out evaluation over the world: recall accuracy on the answers (llama), or the ViT's MSE
-    against persistence (repeating the last field)."""
+def evaluate(task: _Task, cp: ContextParallel, dp_rank: int, autocast=None) -> dict:
+    """Held-out evaluation over the world: the loss and the accuracy of the next-token predictions
+    (llama; on recall only the answers count), or the ViT's MSE against persistence (repeating the last
+    field)."""
     cfg = task.cfg
-    rows = max(cfg.dp, EVAL_BATCH // cfg.dp * cfg.dp)
-    full = task.batch(rows, task.generator(0, stream=1), held_out=True)
-    per = rows // cfg.dp
-    mine = {k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in full.items()}
-    loss_sum, count, extra = task.local_sums(mine, cp)
+    inputs, view = task.local(task.held_out_batch(), dp_rank, cp)
+    with autocast or contextlib.nullcontext():
+        loss_sum, count, extra = task.sums(inputs, view)
     key = "persistence" if cfg.model == "vit" else "correct"
     sums = torch.stack([loss_sum.to(torch.float64), count.to(torch.float64), extra[key].to(torch.float64)])
     dist.all_reduce(sums)
@@ -555,20 +793,34 @@ def evaluate(task: _Task, cp: ContextParallel, dp_rank: int) -> dict:
     return {"loss": float(sums[0] / sums[1]), "accuracy": float(sums[2] / sums[1])}
 
 
+def evaluation_line(ev: dict, chance: float | None = None) -> str:
+    """One evaluation as a line: ``step 50: held-out loss 1.234, accuracy 0.412 (chance 0.042)``."""
+    if "mse" in ev:
+        return (f"step {ev['step']}: held-out MSE {ev['mse']:.4g} (persistence {ev['persistence_mse']:.4g}, "
+                f"ratio {ev['mse'] / ev['persistence_mse']:.3f})")
+    note = f" (chance {chance:.3f})" if chance else ""
+    return f"step {ev['step']}: held-out loss {ev['loss']:.4f}, accuracy {ev['accuracy']:.3f}{note}"
+
+
 class _Progress:
     """Rich progress on rank 0: step, loss, tokens/s, MFU."""
 
     def __init__(self, cfg: TrainConfig, last: int, first: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(TextColumn(f"[bold]{cfg.model} dp{cfg.dp} x cp{cfg.cp} {cfg.schedule}"), BarColumn(),
-                            MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+        mode = "fsdp" if cfg.fsdp else "replicated"
+        self.bar = Progress(TextColumn(f"[bold]{cfg.model} dp{cfg.dp} x cp{cfg.cp} {cfg.schedule} {mode} "
+                                       f"{cfg.dtype}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn())
         self.bar.start()
         self.task = self.bar.add_task("train", total=last, completed=first, info="")
 
     def update(self, step: int, loss: float, rate: dict) -> None:
         info = f"loss {loss:.4f}  {rate['tokens_per_s']:.0f} tok/s  MFU {100 * rate['mfu']:.1f}%"
         self.bar.update(self.task, completed=step, info=info)
+
+    def print(self, line: str) -> None:
+        self.bar.console.print(line, markup=False, highlight=False)
 
     def close(self) -> None:
         self.bar.stop()
@@ -580,7 +832,62 @@ def _write_outputs(cfg: TrainConfig, record: dict) -> None:
         Path(cfg.log).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.log).write_text(json.dumps(saved, indent=1))
     if cfg.plot:
-        plot_losses({f"dp{cfg.dp} x cp{cfg.cp} {cfg.schedule}": record}, cfg.plot)
+        plot_losses({run_label(record): record}, cfg.plot)
+
+
+def run_label(rec: dict) -> str:
+    c = rec["config"]
+    extra = "".join([" replicated" if not c.get("fsdp", True) else "",
+                     " bf16" if c.get("dtype") == "bfloat16" else ""])
+    return f"dp{c['dp']} x cp{c['cp']} {rec['schedule']}{extra}"
+
+
+def results_table(records: list[dict]):
+    """A rich Table of runs: losses, the last held-out evaluation, throughput and MFU, against ``ring``
+    on the same mesh and the cp=1 run of the same schedule; its caption says what MFU is taken
+    against."""
+    from rich.table import Table
+
+    first = records[0]["config"]
+    what = first["task"] if first["task"] != "text" else f"text {first['data']}"
+    table = Table(title=f"{first['model']} {first['config']}, {what}, seq {first['seq']}, batch {first['batch']}",
+                  caption=f"MFU: model FLOPs per rank over the {records[0]['peak_source']} "
+                          f"({records[0]['peak_tflops_per_rank']:.3g} TFLOP/s per rank); step time excludes "
+                          f"batch preparation")
+    for col in ("run", "steps", "first loss", "last loss", "held-out", "tokens/s", "MFU", "x ring", "x cp=1"):
+        table.add_column(col, justify="right")
+
+    def key(rec: dict) -> tuple:
+        c = rec["config"]
+        return c["dp"], c["cp"], rec["schedule"], c.get("fsdp", True), c.get("dtype")
+
+    by_key = {key(r): r for r in records}
+
+    def ratio(rec: dict, other: dict | None) -> str:
+        return f"{rec['tokens_per_s'] / other['tokens_per_s']:.2f}" if other and other["tokens_per_s"] else "-"
+
+    for rec in records:
+        dp, cp, schedule, fsdp, dtype = key(rec)
+        ring = by_key.get((dp, cp, "ring", fsdp, dtype))
+        single = by_key.get((dp, 1, schedule, fsdp, dtype)) or next(
+            (r for k, r in by_key.items() if k[0] == dp and k[1] == 1 and k[3:] == (fsdp, dtype)), None)
+        losses = rec["losses"]
+        table.add_row(run_label(rec), f"{rec['first_step']}-{rec['first_step'] + len(losses) - 1}",
+                      f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
+                      _held_out(rec), f"{rec['tokens_per_s']:.0f}", f"{100 * rec['mfu']:.1f}%", ratio(rec, ring),
+                      ratio(rec, single))
+    return table
+
+
+def _held_out(rec: dict) -> str:
+    """The last evaluation, in a table cell."""
+    if not rec["evaluations"]:
+        return "-"
+    ev = rec["evaluations"][-1]
+    if "mse" in ev:
+        return f"MSE {ev['mse'] / ev['persistence_mse']:.3f} x persistence"
+    chance = f" (chance {rec['chance']:.3f})" if rec.get("chance") else ""
+    return f"acc {ev['accuracy']:.3f}{chance}"
 
 
 def plot_losses(runs: dict[str, dict], path: str) -> None:
@@ -639,11 +946,20 @@ def add_arguments(p, compare: bool = False) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence (llama)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step over the whole world")
-    p.add_argument("--task", default=None, help="recall or documents (llama), fields (vit)")
+    p.add_argument("--task", default=None, help="recall, documents or text (llama; text: --data), fields (vit)")
     p.add_argument("--mask", choices=sorted(MASK_TASKS), default=None,
                    help="the attention mask, naming the task that trains with it: causal (recall), document "
                         "(packed documents), full (the vit's fields)")
     p.add_argument("--documents", default="", help="comma-separated document lengths (task documents)")
+    p.add_argument("--data", default=None, help="train on local text: a directory (one document per file, one per "
+                                                "line of *.jsonl), a JSONL file (its 'text' fields) or a text file")
+    p.add_argument("--tokenizer", default=None, help="a tokenizers JSON file for --data (default: bytes, vocab 256)")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=d.fsdp,
+                   help="shard parameters, gradients and optimizer state over the dp x cp ranks with FSDP2 "
+                        "(--no-fsdp: a full copy on every rank)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype,
+                   help="compute dtype (bfloat16: autocast; parameters, gradients, their reduction and the "
+                        "optimizer stay float32)")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--stop-after", type=int, default=None, help="stop after this step (as if interrupted)")
@@ -654,8 +970,9 @@ def add_arguments(p, compare: bool = False) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start a new run in a --checkpoint directory that holds another run, deleting its steps")
     p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--peak-tflops", type=float, default=None, help="per-rank peak for MFU (default: measured "
-                                                                   "matmul rate)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-rank peak for MFU (default: the GPU's data-sheet bf16 peak, else the measured matmul "
+                        "rate)")
     p.add_argument("--json", dest="log", default=None, help="JSON log path")
     p.add_argument("--plot", default=None, help="loss-curve PNG path")
 
@@ -675,13 +992,15 @@ def config_from_args(args, world: int, cp: int | None = None, schedule: str | No
                        steps=args.steps, seq=args.seq, batch=args.batch, task=task, lr=args.lr, seed=args.seed,
                        stop_after=args.stop_after, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
                        resume=args.resume, overwrite=args.overwrite, eval_every=args.eval_every,
-                       peak_tflops=args.peak_tflops, progress=True, log=args.log, plot=args.plot, documents=docs)
+                       peak_tflops=args.peak_tflops, progress=True, log=args.log, plot=args.plot, documents=docs,
+                       fsdp=args.fsdp, dtype=args.dtype, data=args.data, tokenizer=args.tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun entry. Argument and configuration errors are found before the process group starts
-    (one line, exit 2, alike on every rank); a non-finite loss ends with one line (exit 1); SIGTERM
-    ends after the step in progress, saved, with exit 0; a worker whose launcher died exits."""
+    (one line, exit 2, alike on every rank); rank 0 prints each evaluation as it runs and ends with the
+    results table (``--json`` for the whole record); a non-finite loss ends with one line (exit 1);
+    SIGTERM ends after the step in progress, saved, with exit 0; a worker whose launcher died exits."""
     from . import distributed
     from .launcher import watch_parent
 
@@ -702,8 +1021,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record = run_rank(cfg)
         if dist.get_rank() == 0:
-            print(json.dumps({k: record[k] for k in ("losses", "tokens_per_s", "mfu", "schedule", "stopped")}),
-                  flush=True)
+            from rich.console import Console
+
+            Console().print(results_table([record]))
     except (TrainingStopped, ValueError) as exc:
         if dist.get_rank() == 0:
             _say(f"error: {exc}")

@@ -64,7 +64,7 @@ def uninterrupted(worlds):
 def test_resume_refuses_each_result_changing_field_and_accepts_the_rest():
     saved = dataclasses.asdict(_cfg(checkpoint="/c"))
     changed = {"model": "vit", "config": "small", "task": "documents", "seed": 4, "seq": 128, "batch": 8,
-               "lr": 1e-3, "documents": (32, 32)}
+               "lr": 1e-3, "documents": (32, 32), "dtype": "bfloat16", "data": "corpus", "tokenizer": "tok.json"}
     assert set(changed) == set(ckpt.RESULT_FIELDS)
     for name, value in changed.items():
         with pytest.raises(ckpt.CheckpointError, match=rf"\b{name} .* -> "):
@@ -72,9 +72,9 @@ def test_resume_refuses_each_result_changing_field_and_accepts_the_rest():
     with pytest.raises(ckpt.CheckpointError, match="seed 3 -> 4; seq 64 -> 128"):
         ckpt.check_resume(saved, saved | {"seed": 4, "seq": 128})
     notes = ckpt.check_resume(saved, saved | {"schedule": "ring", "dp": 2, "cp": 1, "steps": 40,
-                                              "checkpoint_every": 5})
-    assert notes == ["dp: 1 -> 2", "cp: 2 -> 1", "schedule: 'zigzag_ring' -> 'ring'", "steps: 4 -> 40",
-                     "checkpoint_every: 0 -> 5"]
+                                              "checkpoint_every": 5, "fsdp": False})
+    assert notes == ["dp: 1 -> 2", "cp: 2 -> 1", "fsdp: True -> False", "schedule: 'zigzag_ring' -> 'ring'",
+                     "steps: 4 -> 40", "checkpoint_every: 0 -> 5"]
 
 
 def test_damaged_records_are_refused_naming_the_file(tmp_path):

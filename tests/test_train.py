@@ -119,3 +119,34 @@ def test_torchrun_gives_the_local_launchers_losses(worlds, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(Path(log).read_text())["losses"] == local["losses"]
+
+
+# ---------------------------------------------------------------------------------- FSDP2, bf16
+def _state_per_rank(rec: dict) -> int:
+    return sum(rec["state_bytes"].values())
+
+
+@pytest.mark.parametrize("dp,cp", [pytest.param(2, 2), pytest.param(1, 4, marks=pytest.mark.slow)])
+def test_fsdp_follows_the_replicated_run_and_holds_a_share_of_its_state(worlds, dp, cp):
+    """FSDP2 over the flattened dp x cp mesh against every rank holding the whole model: the same losses
+    (1e-5) and parameters, with 1 / (dp x cp) of the parameter, gradient and AdamW bytes per rank."""
+    steps = 4 if (dp, cp) == (2, 2) else 10
+    replicated = _run(worlds, _base("llama", dp=dp, cp=cp, steps=steps, fsdp=False, peak_tflops=1.0))
+    sharded = _run(worlds, _base("llama", dp=dp, cp=cp, steps=steps, peak_tflops=1.0))
+    _assert_same_run(sharded, replicated, f"fsdp dp{dp} x cp{cp}")
+    full, share = replicated["state_bytes"], sharded["state_bytes"]
+    assert full["params"] == full["grads"] > 0 and full["optimizer"] >= 2 * full["params"]
+    for kind in ("params", "grads", "optimizer"):  # the tiny config's dims divide 4: no padding
+        per_rank = full[kind] / (dp * cp)
+        slack = 4 * len(sharded["params"]) if kind == "optimizer" else 0  # AdamW's step counters stay whole
+        assert per_rank <= share[kind] <= per_rank + slack, (kind, share[kind], full[kind])
+
+
+def test_bf16_autocast_tracks_float32(worlds, references):
+    """bf16 autocast (parameters, gradients, their reduction and AdamW float32) against the float32
+    one-process run: every loss within 5e-3 relative (measured on this machine: at most 5e-4 over 20 steps)."""
+    got = _run(worlds, _base("llama", dp=1, cp=2, dtype="bfloat16", peak_tflops=1.0))
+    a, b = torch.tensor(got["losses"]), torch.tensor(references["llama"]["losses"])
+    rel = ((a - b).abs() / b).max().item()
+    assert 0 < rel <= 5e-3, (rel, got["losses"], references["llama"]["losses"])
+    assert got["losses"][-1] < got["losses"][0]

@@ -1,10 +1,11 @@
 """``cpattn train``: a reference model trained with data x context parallelism on local processes.
 
 ``--cp`` and ``--schedule`` take comma-separated lists: every combination trains in turn (one local
-world per number of ranks, each rank with ``cores / ranks`` threads) and the table compares their
-throughput with ``ring`` on the same mesh and with the one-context-rank run of the same schedule. The
+world per number of ranks, each rank with ``cores / ranks`` threads) and the table
+(:func:`cpattn.train.results_table`) compares their throughput with ``ring`` on the same mesh and with
+the one-context-rank run of the same schedule. Evaluations (``--eval-every``) print as they run. The
 same loop runs unchanged under torchrun: ``torchrun --nproc-per-node N -m cpattn.train ...``
-(:mod:`cpattn.train`).
+(:mod:`cpattn.train`), and ends with the same table.
 
 Everything that can be checked before the workers start is (arguments, the model config, the schedule
 against the mask, the checkpoint directory: :func:`cpattn.train.preflight`), each failure one line.
@@ -21,7 +22,7 @@ import os
 import signal
 from pathlib import Path
 
-from .output import stderr, stdout
+from .output import show_wide, stderr
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -71,7 +72,6 @@ def _resume_hint(cfg) -> str:
 
 def run(args) -> int:
     from rich.markup import escape
-    from rich.table import Table
 
     from .. import train
     from ..launcher import LocalWorld, RankError, WorldError
@@ -83,12 +83,8 @@ def run(args) -> int:
         threads = max(1, cores // world_size)
         err.print(f"starting {world_size} local process(es), {threads} thread(s) each")
         with LocalWorld(world_size, threads=threads) as world:
-            peak = args.peak_tflops
-            if peak is None:  # one measured peak per world, so MFU compares the runs on it
-                peak = world.run(train.world_matmul_peak, timeout=120)[0] / 1e12
-                err.print(f"measured matmul peak: {peak * 1e3:.1f} GFLOP/s per rank")
             for cfg in (c for c in runs if c.world == world_size):
-                one = dataclasses.replace(cfg, progress=True, log=None, plot=None, peak_tflops=peak)
+                one = dataclasses.replace(cfg, progress=True, log=None, plot=None)
                 previous = signal.signal(signal.SIGTERM, lambda signum, frame, w=world: w.signal(signum))
                 try:
                     results = world.run(train.run_rank, timeout=args.timeout, name=f"cpattn train {cfg.schedule}",
@@ -118,43 +114,13 @@ def run(args) -> int:
                     break
             if stopped:
                 break
-    stdout().print(_table(Table, records))
-    for rec in records:
-        for ev in rec["evaluations"]:
-            stdout().print(f"{_label(rec)} step {ev['step']}: " + ", ".join(
-                f"{k} {v:.4g}" for k, v in ev.items() if k != "step"))
+    show_wide(train.results_table(records))
     if args.log:
         Path(args.log).write_text(json.dumps([{k: v for k, v in r.items() if k != "params"} for r in records],
                                              indent=1))
         err.print(f"wrote log {args.log}")
     if args.plot:
-        train.plot_losses({_label(r): r for r in records}, args.plot)
+        train.plot_losses({train.run_label(r): r for r in records}, args.plot)
         err.print(f"wrote loss curve {args.plot}")
     return 0
 
-
-def _label(rec: dict) -> str:
-    c = rec["config"]
-    return f"dp{c['dp']} x cp{c['cp']} {rec['schedule']}"
-
-
-def _table(table_cls, records: list[dict]):
-    """Throughput per run, against ``ring`` on the same mesh and the cp=1 run of the same schedule."""
-    first = records[0]["config"]
-    table = table_cls(title=f"{first['model']} {first['config']}, {first['task']}, {first['steps']} steps, "
-                            f"batch {first['batch']}")
-    for col in ("schedule", "dp x cp", "first loss", "last loss", "tokens/s", "MFU", "x ring", "x cp=1"):
-        table.add_column(col, justify="right")
-    by_key = {(r["config"]["dp"], r["config"]["cp"], r["schedule"]): r for r in records}
-
-    def ratio(rec: dict, other: dict | None) -> str:
-        return f"{rec['tokens_per_s'] / other['tokens_per_s']:.2f}" if other and other["tokens_per_s"] else "-"
-
-    for rec in records:
-        dp, cp = rec["config"]["dp"], rec["config"]["cp"]
-        ring = by_key.get((dp, cp, "ring"))
-        single = by_key.get((dp, 1, rec["schedule"])) or next(
-            (r for (d, c, _), r in by_key.items() if d == dp and c == 1), None)
-        table.add_row(rec["schedule"], f"{dp} x {cp}", f"{rec['losses'][0]:.4f}", f"{rec['losses'][-1]:.4f}",
-                      f"{rec['tokens_per_s']:.0f}", f"{100 * rec['mfu']:.1f}%", ratio(rec, ring), ratio(rec, single))
-    return table

@@ -16,6 +16,8 @@ and biases.
 
 from __future__ import annotations
 
+import re
+
 from .llama import LlamaConfig
 from .vit import ViTConfig
 
@@ -74,3 +76,28 @@ def vit_flops_per_token(config: ViTConfig, seq_len: int | None = None, allowed_p
     pairs = n * n if allowed_pairs is None else allowed_pairs
     attention = _attention_flops_per_token(config.layers, config.heads, config.dim // config.heads, n, pairs)
     return 6 * matmul_param_count(config) + attention
+
+
+#: dense (no sparsity) bfloat16 tensor-core peaks from the vendors' data sheets, TFLOP/s per device as
+#: torch sees it (an MI250X package is two devices); ``(pattern, device, TFLOP/s)``, the first pattern
+#: that matches ``torch.cuda.get_device_name()`` wins (docs/models.md)
+BF16_PEAK_TFLOPS: tuple[tuple[str, str, float], ...] = (
+    (r"\bH100\b.*\bNVL\b", "H100 NVL", 835.5),
+    (r"\bH100\b.*\bPCIe\b", "H100 PCIe", 756.5),
+    (r"\bH100\b", "H100 SXM5", 989.5),
+    (r"\bH200\b.*\bNVL\b", "H200 NVL", 835.5),
+    (r"\bG?H200\b", "H200 SXM / GH200", 989.5),
+    (r"\bA100\b", "A100", 312.0),
+    (r"\bL4\b", "L4", 121.0),
+    (r"\bMI300X\b", "MI300X", 1307.4),
+    (r"\bMI250X\b", "MI250X (one GCD)", 191.5),
+)
+
+
+def datasheet_peak(device_name: str) -> tuple[str, float] | None:
+    """``(device, FLOP/s)``: the data-sheet dense bfloat16 peak of the device named ``device_name``
+    (:data:`BF16_PEAK_TFLOPS`), or None for a device the table does not hold."""
+    for pattern, device, tflops in BF16_PEAK_TFLOPS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return device, tflops * 1e12
+    return None

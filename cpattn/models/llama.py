@@ -93,10 +93,11 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (even, odd) pair of channels of ``x [b, s, h, d]`` by its angle (Meta's layout)."""
+    """Rotate each (even, odd) pair of channels of ``x [b, s, h, d]`` by its angle (Meta's layout); the
+    result has ``x``'s dtype (under bf16 autocast q and k stay bf16 while the angles are float32)."""
     pairs = x.unflatten(-1, (-1, 2))
     x0, x1 = pairs[..., 0], pairs[..., 1]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
 class Attention(nn.Module):
