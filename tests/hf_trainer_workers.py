@@ -109,3 +109,22 @@ def train(trainer: str, cp_size: int = 1, schedule: str = "zigzag_ring", dp: int
     return {"loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
             "eval_loss": metrics["eval_loss"], "predict_loss": predicted.metrics["test_loss"],
             "logits": torch.as_tensor(predicted.predictions)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``torchrun --nproc-per-node N tests/hf_trainer_workers.py OUT.json CP_SIZE``: the cpattn run as a
+    user launches it (torchrun's environment, accelerate creating the gloo process group); rank 0 writes
+    the logged numbers to ``OUT.json``."""
+    import json
+    import sys
+
+    out, cp_size = (argv if argv is not None else sys.argv[1:])
+    result = train("cpattn", cp_size=int(cp_size))
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump({k: v for k, v in result.items() if k != "logits"}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

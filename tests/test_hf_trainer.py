@@ -7,6 +7,11 @@ them these tests fail, they never skip."""
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +28,7 @@ from hf_trainer_workers import RUN, Rows, accelerate_state, train
 from hf_workers import tiny_config
 
 from cpattn.integrations import hf
-from cpattn.launcher import RankError
+from cpattn.launcher import RankError, free_port
 
 #: relative tolerance on every logged number (float32; differences land near 1e-7)
 RTOL = 1e-5
@@ -97,6 +102,25 @@ def test_dp2_cp2_trains_like_one_process_on_both_batches(worlds, average_tokens)
         ref = worlds.get(2).run(train, trainer="cpattn", cp_size=1, average_tokens=False, timeout=300, **kw)[0]
         assert not isinstance(ref, RankError), f"{ref}\n{ref.traceback}"
     check(results, ref, f"hf.Trainer DP=2 x CP=2 average_tokens={average_tokens}")
+
+
+@pytest.mark.slow
+def test_cp2_under_torchrun(tmp_path, one_process):
+    """As a user runs it: torchrun starts 2 processes and accelerate creates their gloo group."""
+    out = tmp_path / "run.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), str(Path(__file__).parent / "hf_trainer_workers.py"), str(out), "2"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    run = json.loads(out.read_text())
+    for name in ("loss", "grad_norm"):
+        assert len(run[name]) == RUN["steps"]
+        for step, (got, want) in enumerate(zip(run[name], one_process[name])):
+            assert rel(got, want) <= RTOL, f"torchrun: step {step + 1} {name} {got} != {want}"
+    for name in ("eval_loss", "predict_loss"):
+        assert rel(run[name], one_process[name]) <= RTOL, f"torchrun: {name} {run[name]} != {one_process[name]}"
 
 
 # ---------------------------------------------------------------------- one process, no training
