@@ -421,7 +421,7 @@ class KVCache:
         if max(step.before) > 0:
             how, why = self.extend_choice(q, k)
             self.last_extend = (how, why)
-            cached = self._pass_q if how == "pass_q" else self._pass_kv
+            cached = self._pass_q if how == "pass_q" or self.world_size == 1 else self._pass_kv
             old_out, old_lse = cached(layer, q, scale, window, softcap)
             merge.merge_into(out, lse, old_out, old_lse)
         if sinks is not None:
@@ -441,9 +441,12 @@ class KVCache:
         owner."""
         step, p = self._step, self.world_size
         s, h, d = q.shape[1], q.shape[2], q.shape[3]
+        k, v, k_row, k_pos = self._local(layer, step.before[self.rank])
+        if p == 1:  # the whole cache is here: nothing to exchange
+            allowed = self._mask(step.query_rows[0], step.query_positions[0], k_row, k_pos, window)
+            return self._attend(q, k, v, allowed, scale, softcap)
         queries = self.comm.new_buffer((p, s, h, d), q.dtype, q.device)
         self.comm.all_gather(queries, q[0].contiguous())
-        k, v, k_row, k_pos = self._local(layer, step.before[self.rank])
         key = ("pass_q", window)
         if key not in step.masks:
             step.masks[key] = self._mask(torch.cat(step.query_rows), torch.cat(step.query_positions), k_row, k_pos,
