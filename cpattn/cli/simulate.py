@@ -41,6 +41,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="model mode: dense bf16 peak per device (default: the preset's data-sheet figure)")
     m.add_argument("--reference-mfu", type=float, default=0.38,
                    help="model mode: the MFU to compare with (default 0.38, RingX's Llama3-8B at 1M tokens)")
+    m.add_argument("--inference", action="store_true",
+                   help="inference mode: prefill time per schedule and per-token decode latency per merge of --model "
+                        "(default llama3-8b; also llama3-405b) at --seq tokens (default 1M) on --gpus = cp x --tp "
+                        "devices, the key/value cache sharded over the context-parallel group")
+    m.add_argument("--tp", type=a.positive, default=1, help="inference mode: tensor-parallel devices per "
+                                                            "context-parallel rank (default 1)")
     m.add_argument("--profile", help="calibration profile for --topology local")
     m.add_argument("--algorithm", type=a.algorithm, default=None,
                    help="collective algorithms: auto (what NCCL/RCCL pick per op and size), ring, tree (for "
@@ -87,6 +93,10 @@ def run(args) -> int:
     from ..core.masks import resolve
     from ..core.steps import split_phase
 
+    if args.inference:
+        from .simulate_inference import run_inference
+
+        return run_inference(args)
     if args.model is not None:
         return run_model(args)
     if (args.seq is None) == (args.seq_per_gpu is None):
