@@ -18,7 +18,7 @@ from hf_workers import VOCAB, tiny_config
 from cpattn.integrations import hf
 
 #: the run both trainers make: 10 optimizer steps of 2 accumulated batches of 2 rows of 45 tokens
-#: (45 does not split into the 4 zigzag pieces of 2 ranks: one padding token), evaluation on 5 rows
+#: (zigzag at 2 ranks splits 48 tokens into 4 pieces: 3 padding tokens), evaluation on 5 rows
 RUN = dict(steps=10, seq_len=45, batch=2, accumulation=2, train_rows=48, eval_rows=5, seed=0)
 
 

@@ -69,7 +69,7 @@ def one_process():
 
 
 def test_cp2_trains_like_one_process(worlds, one_process):
-    """10 steps of 2 accumulated batches, 45 tokens (one padding token at CP=2, labels ignored at the
+    """10 steps of 2 accumulated batches, 45 tokens (3 padding tokens at CP=2, labels ignored at the
     start of each row): every step's loss and gradient norm, the evaluation loss and the predicted
     logits (5 rows: the last batch is partial) equal the one-process Trainer's."""
     results = worlds.get(2).run(train, trainer="cpattn", cp_size=2, timeout=300)

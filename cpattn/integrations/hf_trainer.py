@@ -60,9 +60,10 @@ class Trainer(transformers.Trainer):
 
     The model must be built with ``attn_implementation="cpattn"`` (after ``hf.register()``) and take
     the loss keyword arguments (``num_items_in_batch``, as transformers' models do). What would make a
-    rank's loss other than its share of the batch's mean raises ``NotImplementedError`` at construction:
-    label smoothing, ``compute_loss_func``, ``ParallelismConfig(cp_size=...)`` (torch's own context
-    parallelism) or tensor parallelism, batch dispatching from one process.
+    rank's loss other than its share of the batch's mean raises ``NotImplementedError`` at construction
+    (label smoothing, ``compute_loss_func``, ``ParallelismConfig(cp_size=...)``, which is torch's own
+    context parallelism, or its tensor and sequence parallelism), or when a data loader is built
+    (batches dispatched from the main process).
     """
 
     def __init__(self, *args, cp_size: int = 1, cp_schedule: str | Schedule = "zigzag_ring",
@@ -242,6 +243,8 @@ class Trainer(transformers.Trainer):
 
     def evaluation_loop(self, *args, **kwargs):
         """The Trainer's loop, gathering one copy of each group's results (:meth:`_gather_groups`)."""
+        if self.cp_size == 1:
+            return super().evaluation_loop(*args, **kwargs)
         previous = self.gather_function
         self.gather_function = self._gather_groups
         try:
