@@ -8,6 +8,7 @@ plan with ``cpattn.planner`` (or reads it from the plan cache) and broadcasts it
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import json
@@ -105,6 +106,12 @@ def _broadcast_text(comm: Communicator, text: str | None, device: torch.device) 
         data.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
     comm.broadcast(data, src=0)
     return data.cpu().numpy().tobytes().decode()
+
+
+#: the dimension orders ``ContextParallel.attention(qkv_format=...)`` takes q, k, v and returns out in
+QKV_FORMATS = ("bshd", "bhsd")
+#: the format of the call being checked on this thread (its messages name the caller's dimensions)
+_QKV_FORMAT: contextvars.ContextVar[str] = contextvars.ContextVar("cpattn_qkv_format", default="bshd")
 
 
 def _check_sinks(sinks, q: torch.Tensor) -> None:
@@ -419,17 +426,25 @@ class ContextParallel:
             raise ValueError(f"batch differs: q has {q.shape[0]}, k/v have {k.shape[0]}")
         if q.shape[3] != k.shape[3]:
             raise ValueError(f"head_dim differs: q has {q.shape[3]}, k/v have {k.shape[3]}")
+        heads_first = _QKV_FORMAT.get() == "bhsd"  # q, k, v are then the transposes of the caller's tensors
+        seq_dim, form = (2, "[batch, heads, seq, head_dim] (qkv_format='bhsd')") if heads_first else \
+            (1, "[batch, seq, heads, head_dim]")
         for name, t in (("q", q), ("k", k)):
             if t.shape[1] != self.local_len:
                 hint = ""
-                if t.shape[2] == self.local_len:
+                if t.shape[2] == self.local_len and heads_first:
+                    hint = "; it looks like [batch, seq, heads, head_dim]: leave out qkv_format='bhsd'"
+                elif t.shape[2] == self.local_len:
                     hint = (f"; it looks like [batch, heads, seq, head_dim]: cpattn takes [batch, seq, heads, "
-                            f"head_dim], so pass {name}.transpose(1, 2)")
+                            f"head_dim], so pass {name}.transpose(1, 2), or the tensors as they are with "
+                            "cp.attention(..., qkv_format='bhsd')")
                 elif t.shape[1] == self.seq_len and self.world_size > 1:
-                    hint = f"; it holds the whole sequence: pass this rank's part, cp.shard({name}_full, dim=1)"
-                raise ValueError(f"{name} has {t.shape[1]} local tokens at dim 1 (shape {tuple(t.shape)}); with "
+                    hint = (f"; it holds the whole sequence: pass this rank's part, cp.shard({name}_full, "
+                            f"dim={seq_dim})")
+                shape = tuple(t.transpose(1, 2).shape) if heads_first else tuple(t.shape)
+                raise ValueError(f"{name} has {t.shape[1]} local tokens at dim {seq_dim} (shape {shape}); with "
                                  f"seq_len={self.seq_len} over {self.world_size} ranks each rank holds "
-                                 f"{self.local_len} (padding included), as [batch, seq, heads, head_dim]{hint}")
+                                 f"{self.local_len} (padding included), as {form}{hint}")
         h, hkv = q.shape[2], k.shape[2]
         if hkv < 1 or h % hkv != 0:
             raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
@@ -442,9 +457,17 @@ class ContextParallel:
         return float(softmax_scale)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                  return_lse: bool = False, sinks: torch.Tensor | None = None, softcap: float | None = None):
+                  return_lse: bool = False, sinks: torch.Tensor | None = None, softcap: float | None = None,
+                  qkv_format: str = "bshd"):
         """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` in this schedule's layout -> local ``out``
         (and ``lse [b, h, s]`` float32 with ``return_lse``). Differentiable in q, k, v.
+
+        ``qkv_format``: the order of the dimensions of q, k, v and ``out``: ``"bshd"`` (the default,
+        flash-attn's) or ``"bhsd"``, ``[b, h, s, d]`` as Hugging Face's attention functions and SDPA take
+        them: passed as they are, with no transpose by the caller (the op reads their ``transpose(1, 2)``
+        views), and ``out`` is returned as ``[b, h, s, d]``; ``lse`` is ``[b, h, s]`` either way. The sequence
+        dimension is the local tokens in every format (``cp.shard(t, dim=2)`` shards a ``[b, h, s, d]``
+        tensor). For example, ``out = cp.attention(q, k, v, qkv_format="bhsd")`` for ``q [b, h, s, d]``.
 
         ``sinks [h]``: attention sinks (gpt-oss's ``s_aux``), one logit per query head that joins every
         row's softmax as a key with no value; merged exactly on each row's owner, and differentiable
@@ -458,6 +481,12 @@ class ContextParallel:
         checkpointing can save its outputs so that its communication is not rerun in the backward."""
         if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not _scale_like(softmax_scale):
             self._checked_scale(q, k, v, softmax_scale)  # raises, on every rank alike
+        if qkv_format not in QKV_FORMATS:
+            raise ValueError(f"qkv_format={qkv_format!r} is unknown; accepted: 'bshd' ([batch, seq, heads, "
+                             "head_dim], the default) or 'bhsd' ([batch, heads, seq, head_dim])")
+        heads_first = qkv_format == "bhsd"
+        if heads_first:
+            q, k, v = (t.transpose(1, 2) if t.dim() == 4 else t for t in (q, k, v))
         scale = None if softmax_scale is None else float(softmax_scale)
         if sinks is not None:
             _check_sinks(sinks, q)
@@ -465,7 +494,16 @@ class ContextParallel:
             sinks = q.new_empty(0, dtype=torch.float32)  # none
         if softcap is not None:
             softcap = self._checked_softcap(softcap)
-        out, lse, _saved = attention_op(q, k, v, (self._base or self)._site, self._slot, scale, sinks, softcap)
+        # the checks run inside the op, on this thread: they learn the caller's format to name its dimensions
+        # (not while torch.compile traces the call, which cannot trace a ContextVar)
+        given = _QKV_FORMAT.set(qkv_format) if heads_first and not torch.compiler.is_compiling() else None
+        try:
+            out, lse, _saved = attention_op(q, k, v, (self._base or self)._site, self._slot, scale, sinks, softcap)
+        finally:
+            if given is not None:
+                _QKV_FORMAT.reset(given)
+        if heads_first:
+            out = out.transpose(1, 2)
         return (out, lse) if return_lse else out
 
     def _checked_softcap(self, softcap) -> float:

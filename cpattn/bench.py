@@ -433,9 +433,19 @@ def prediction_summary(results: list[dict]) -> dict:
             "median_abs_fwd_error": statistics.median(abs(r["pred_fwd_error"]) for r in rows)}
 
 
-def render(result: dict):
-    """A rich table of a :func:`run` result (with prediction columns after :func:`predict`)."""
-    from rich.table import Table
+#: the order in which the bench table leaves out columns in a narrow terminal (1 first); the schedule,
+#: fwd+bwd ms, vs 1 proc, max rel err and pred err columns are always shown
+DROP_ORDER = ("wire MB/rank", "recv MB/rank", "pred fwd ms", "layout work max/mean", "TFLOP/s/rank", "peak MB/rank",
+              "flex fwd ms", "fwd ms", "sent MB/rank", "hidden", "vs ring", "vs zigzag_ring", "pred fwd+bwd ms",
+              "mask eff")
+
+
+def render(result: dict, width: int | None = None):
+    """A rich table of a :func:`run` result (with prediction columns after :func:`predict`), fitted to
+    ``width`` (default: the terminal's, ``$COLUMNS``, or full width outside a terminal) by leaving out
+    columns in :data:`DROP_ORDER`. A schedule that failed its check reads "failed (n)" and its whole
+    error is note (n) at the head of the caption, so no error is cut short."""
+    from .cli.output import Column, footnotes, table
 
     cfg, env, base = result["config"], result["environment"], result["baseline"]
     predicted = "prediction" in result
@@ -450,11 +460,13 @@ def render(result: dict):
              f"{env['threads_per_rank']} threads/rank, torch {env['torch']}, {env['backend']}")
     ok = {r["schedule"]: r for r in result["rows"] if r["ok"]}
     refs = [n for n in ("ring", "zigzag_ring") if n in ok]
-    caption = (f"one process ({env['threads_per_rank'] * cfg['world']} threads): "
-               f"fwd {base['fwd_s'] * 1e3:.1f} ms, fwd+bwd {base['fwd_bwd_s'] * 1e3:.1f} ms; "
-               "times: median over iterations of the slowest rank; "
-               "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd; vs X = T(X) / T(schedule), "
-               "forward+backward; layout work max/mean = allowed pairs of the busiest rank's queries over the mean")
+    marks, notes = footnotes([f"{r['schedule']} failed: {r['note']}" if not r["ok"] else "" for r in result["rows"]])
+    caption = "".join(f"{n}; " for n in notes)
+    caption += (f"one process ({env['threads_per_rank'] * cfg['world']} threads): "
+                f"fwd {base['fwd_s'] * 1e3:.1f} ms, fwd+bwd {base['fwd_bwd_s'] * 1e3:.1f} ms; "
+                "times: median over iterations of the slowest rank; "
+                "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd; vs X = T(X) / T(schedule), "
+                "forward+backward; layout work max/mean = allowed pairs of the busiest rank's queries over the mean")
     caption += "; peak MB/rank = most live tensor bytes during one forward+backward (cpattn.memory)"
     caption += ("; sent/recv MB/rank = payload (cpattn.core.comm accounting); wire MB/rank = bytes the busiest rank "
                 "sends on the wire, forwarding for others included, under the cost model's collective algorithms")
@@ -474,21 +486,19 @@ def render(result: dict):
     if traced:
         caption += ("; hidden = share of the time transfers are in flight (issue to end of wait) during which a "
                     "kernel call runs on the same rank, one extra stamped fwd+bwd step, mean over ranks")
-    t = Table(title=title, caption=caption)
-    cols = ["schedule", "fwd ms", *(["flex fwd ms"] if flex is not None else []), "fwd+bwd ms", "TFLOP/s/rank",
-            "vs 1 proc", *(["mask eff"] if masked else []), *[f"vs {n}" for n in refs], *(["hidden"] if traced else []),
-            "sent MB/rank", "wire MB/rank", "recv MB/rank", "peak MB/rank", "layout work max/mean", "max rel err"]
+    headers = ["schedule", "fwd ms", *(["flex fwd ms"] if flex is not None else []), "fwd+bwd ms", "TFLOP/s/rank",
+               "vs 1 proc", *(["mask eff"] if masked else []), *[f"vs {n}" for n in refs],
+               *(["hidden"] if traced else []), "sent MB/rank", "wire MB/rank", "recv MB/rank", "peak MB/rank",
+               "layout work max/mean", "max rel err"]
     if predicted:
-        cols += ["pred fwd ms", "pred fwd+bwd ms", "pred err"]
-    names = [r["schedule"] for r in result["rows"]]
-    for col in cols:  # schedule names are never cut short; long header words fold
-        if col == "schedule":
-            t.add_column(col, justify="left", no_wrap=True, min_width=max(map(len, [col, *names])))
-        else:
-            t.add_column(col, justify="right", overflow="fold")
-    for r in result["rows"]:
+        headers += ["pred fwd ms", "pred fwd+bwd ms", "pred err"]
+    cols = [Column(h, "left" if h == "schedule" else "right",
+                   drop=DROP_ORDER.index(h) + 1 if h in DROP_ORDER else 0) for h in headers]
+    rows = []
+    for r, mark in zip(result["rows"], marks):
         if not r["ok"]:
-            t.add_row(r["schedule"], "[red]" + r["note"][:80] + "[/red]", *[""] * (len(cols) - 2))
+            rows.append([r["schedule"] if h == "schedule" else f"[red]failed {mark}[/red]" if h == "fwd+bwd ms"
+                         else "" for h in headers])
             continue
         work = r["extra"].get("work")
         cells = [r["schedule"], f"{r['fwd_s'] * 1e3:.1f}",
@@ -506,8 +516,9 @@ def render(result: dict):
                           f"{r['pred_error']:+.0%}"]
             else:
                 cells += ["-", "-", "not modelled"]
-        t.add_row(*cells)
-    return t
+        rows.append(cells)
+    return table(cols, rows, title=title, caption=caption, width=width,
+                 everything="--json PATH has every figure")
 
 
 def flex_note(flex: dict, threads: int) -> str:
@@ -571,10 +582,26 @@ def write_traces(result: dict, directory: str) -> list[str]:
     return paths
 
 
-def plot(result: dict, path: str) -> None:
-    """PNG bar chart: forward+backward efficiency (one process / schedule) per schedule; below it, for
-    every row with a timeline (``run(..., timeline=True)``), a per-rank panel of its stamped step
-    (``cpattn.timeline.draw``)."""
+#: at most this many per-rank timeline panels in a plot; beyond it, only the last configuration's
+PLOT_TIMELINES = 6
+
+
+def config_label(config: dict) -> str:
+    """A configuration in a few words: ranks (and topology), sequence, mask, layout."""
+    mask = config["mask"] if isinstance(config["mask"], str) else config["mask"].get("kind", "mask")
+    topo = f" ({config['topology'][0]}x{config['topology'][1]})" if config.get("topology") else ""
+    layout = f", layout {config['layout']}" if config.get("layout") else ""
+    return f"P={config['world']}{topo}, S={config['seq']}, {mask}{layout}, {config['dtype']}"
+
+
+def plot(results: dict | list[dict], path: str) -> None:
+    """PNG: for every configuration of ``results`` (:func:`run` results, or one), a bar panel of the
+    forward+backward efficiency (one process / schedule) per schedule, side by side on one scale; below
+    them, for rows with a timeline (``run(..., timeline=True)``), a per-rank panel of its stamped step
+    (``cpattn.timeline.draw``): every configuration's when there are at most :data:`PLOT_TIMELINES`,
+    else the last configuration's (the title says so; ``--trace`` writes them all)."""
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -582,29 +609,45 @@ def plot(result: dict, path: str) -> None:
 
     from .timeline import draw, lanes
 
-    rows = [r for r in result["rows"] if r["ok"]]
-    cfg = result["config"]
-    traced = [r for r in rows if r["extra"].get("timeline")]
-    heights = [3.8] + [0.3 * sum(1 + len(lanes(rk["transfers"])) for rk in r["extra"]["timeline"]["spans"]) + 1.4
-                       for r in traced]
-    width = max(5, 0.9 * len(rows) + 2, 10 if traced else 0)
-    fig, axes = plt.subplots(len(heights), 1, figsize=(width, sum(heights)), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})
-    ax = axes[0][0]
-    ax.bar([r["schedule"] for r in rows], [r["speedup"] for r in rows], color="#4477aa")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_ylabel("T(one process) / T(schedule)")
-    ax.set_title(f"fwd+bwd, P={cfg['world']}, S={cfg['seq']}, {cfg['mask']}, {cfg['dtype']}")
-    ax.tick_params(axis="x", rotation=30)
-    for (panel,), r in zip(axes[1:], traced):
+    results = [results] if isinstance(results, dict) else list(results)
+    traced = [(res, r) for res in results for r in res["rows"] if r["ok"] and r["extra"].get("timeline")]
+    note = ""
+    if len(traced) > PLOT_TIMELINES:
+        traced = [(res, r) for res, r in traced if res is results[-1]]
+        note = f"; timelines of the last configuration only ({config_label(results[-1]['config'])})"
+    ncols = min(len(results), 4)
+    nrows = math.ceil(len(results) / ncols)
+    most = max(len([r for r in res["rows"] if r["ok"]]) for res in results)
+    heights = [3.6] * nrows + [0.3 * sum(1 + len(lanes(rk["transfers"])) for rk in r["extra"]["timeline"]["spans"])
+                               + 1.4 for _, r in traced]
+    width = max(5.0, ncols * (0.7 * most + 1.8), 10.0 if traced else 0.0)
+    fig = plt.figure(figsize=(width, sum(heights) + 0.6))
+    grid = fig.add_gridspec(len(heights), ncols, height_ratios=heights)
+    first = None
+    for i, res in enumerate(results):
+        ax = fig.add_subplot(grid[i // ncols, i % ncols], sharey=first)
+        first = first or ax
+        rows = [r for r in res["rows"] if r["ok"]]
+        ax.bar([r["schedule"] for r in rows], [r["speedup"] for r in rows],
+               color=[f"C{k % 10}" for k in range(len(rows))])
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        if i % ncols == 0:
+            ax.set_ylabel("T(one process) / T(schedule)")
+        ax.set_title(config_label(res["config"]), fontsize=9)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    for k, (res, r) in enumerate(traced):
         tl = r["extra"]["timeline"]
-        draw(panel, tl["spans"], f"{r['schedule']}: one stamped fwd+bwd step ({tl['step_s'] * 1e3:.1f} ms), "
-                                 f"transfer time hidden behind kernel calls: {fraction_text(tl['hidden_fraction'])} "
-                                 "(mean over ranks)")
+        where = f" [{config_label(res['config'])}]" if len(results) > 1 else ""
+        draw(fig.add_subplot(grid[nrows + k, :]), tl["spans"],
+             f"{r['schedule']}{where}: one stamped fwd+bwd step ({tl['step_s'] * 1e3:.1f} ms), transfer time hidden "
+             f"behind kernel calls: {fraction_text(tl['hidden_fraction'])} (mean over ranks)")
+    fig.suptitle(f"cpattn bench: forward+backward efficiency against one process, {len(results)} "
+                 f"configuration{'s' if len(results) > 1 else ''}{note}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-__all__ = ["BenchConfig", "BenchRow", "flex_mask_mod", "flops", "is_masked", "mask_efficiency", "plot", "predict",
-           "prediction_summary", "render", "run", "save_json", "trace_name", "write_traces"]
+__all__ = ["BenchConfig", "BenchRow", "DROP_ORDER", "PLOT_TIMELINES", "config_label", "flex_mask_mod", "flops",
+           "is_masked", "mask_efficiency", "plot", "predict", "prediction_summary", "render", "run", "save_json",
+           "trace_name", "write_traces"]

@@ -9,12 +9,20 @@ above the longest wait a healthy run has inside cpattn: group rank 0 builds an U
 (``PlanOptions.time_budget``, 15 s by default) while the other ranks wait for it. Set
 ``$CPATTN_PG_TIMEOUT_S`` (seconds) to change it without editing the script, e.g. for longer plan
 budgets. Local worlds without torchrun: :mod:`cpattn.launcher`.
+
+A group that :func:`init` created is destroyed at interpreter exit (an ``atexit`` hook, :func:`shutdown`)
+unless the script destroyed it first, so a script that raises, or never calls
+``destroy_process_group()``, exits with its own error and exit code: the backend's threads are stopped
+while Python is still whole, not torn down after it (where gloo could abort the process,
+"terminate called without an active exception", SIGABRT).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -89,9 +97,46 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[in
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=seconds))
+    global _created
+    if not _created:  # once per process, however many times a group is made and destroyed
+        atexit.register(_at_exit)
+    _created = True
     log.info("rank %d of %d (local rank %d): %s on %s, timeout %.0f s", rank, world, local_rank, backend, device,
              seconds)
     return rank, world, local_rank, device
 
 
-__all__ = ["BACKENDS", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "TORCHRUN_ENV", "init", "timeout_seconds"]
+#: whether :func:`init` created a default group in this process (its exit hook is then registered)
+_created = False
+
+
+def shutdown(failed: bool = False) -> bool:
+    """Destroy the default process group and every group made from it, if one exists; returns whether
+    there was one. Safe to call more than once, or after ``destroy_process_group()``.
+
+    ``failed``: the process is exiting on an error. Its peers may still be inside a collective with
+    it, so an NCCL group is aborted (local, never waits for them) instead of destroyed (which may);
+    gloo's shutdown is local either way."""
+    if not dist.is_initialized():
+        return False
+    if failed and dist.get_backend() == "nccl":
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+    return True
+
+
+def _at_exit() -> None:
+    """The ``atexit`` hook :func:`init` registers: :func:`shutdown`, never raising (an exit must keep the
+    script's own error and status)."""
+    failed = getattr(sys, "last_value", None) is not None  # set when an uncaught exception ends the script
+    try:
+        if shutdown(failed):
+            log.info("destroyed the default process group at exit%s", " after an error" if failed else "")
+    except Exception as exc:  # a hook that raises would only add noise after the script's own error
+        log.warning("could not destroy the process group at exit: %s", exc)
+
+
+__all__ = ["BACKENDS", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "TORCHRUN_ENV", "init", "shutdown", "timeout_seconds"]

@@ -49,8 +49,11 @@ def _synthetic(predicted: bool = False, masked: bool = False, flex: dict | None 
 def test_render_shows_the_rows_and_the_ratios_of_their_timings():
     cols = _columns(_synthetic())
     assert cols["schedule"] == ["ring", "zigzag_ring", "wrong_one", "allgather"]
-    assert cols["fwd ms"] == ["100.0", "50.0", "[red]WRONG: relative error 3.00e-01 vs one process[/red]", "200.0"]
-    assert cols["fwd+bwd ms"] == ["400.0", "200.0", "", "800.0"]
+    assert cols["fwd ms"] == ["100.0", "50.0", "", "200.0"]
+    assert cols["fwd+bwd ms"] == ["400.0", "200.0", "[red]failed (1)[/red]", "800.0"]
+    # the whole error heads the caption, where it wraps at spaces and is never cut short
+    assert str(bench.render(_synthetic()).caption).startswith(
+        "(1) wrong_one failed: WRONG: relative error 3.00e-01 vs one process; ")
     # vs X = T(X) / T(row), forward + backward: 0.4 / 0.2, 0.2 / 0.8, ...
     assert cols["vs ring"] == ["1.00x", "2.00x", "", "0.50x"]
     assert cols["vs zigzag_ring"] == ["0.50x", "1.00x", "", "0.25x"]
@@ -201,6 +204,6 @@ def test_a_wide_table_keeps_every_schedule_name_and_header_whole(capsys, monkeyp
         assert text in out, text
     assert "…" not in out
     narrow = Console(width=100, file=io.StringIO(), color_system=None)
-    narrow.print(bench.render(result))
+    narrow.print(bench.render(result, width=100))
     text = narrow.file.getvalue()
     assert "zigzag_ring " in text and "allgather" in text and max(map(len, text.splitlines())) <= 100

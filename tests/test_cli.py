@@ -154,13 +154,29 @@ def test_readme_command_parses_and_is_accepted_at_full_size(argv):
         assert cli.verify.cases(args)
 
 
+def key_line(small: list[str]) -> str:
+    """A pattern of a line a README command (as :func:`shrink` makes it) prints when it worked."""
+    command = small[0]
+    if command == "simulate":
+        return r"llama3-8b at \d+ tokens, cp 128 x dp 32" if "--model" in small else r"cpattn simulate: frontier"
+    if command == "reproduce":
+        return r"RingX on frontier" if small[1] == "ringx" else r"UltraAttn on dgx-h100"
+    return {"bench": r"cpattn bench: P=\d", "verify": r"\d+ passed, 0 failed", "calibrate": r"wrote \S*profile\.json",
+            "plan": r"forward placement \(rank per cell", "schedules": r"causal masks only",
+            "train": r"(?i)loss"}[command]
+
+
 @pytest.mark.parametrize("argv", [pytest.param(a, marks=pytest.mark.slow) if _slow(a) else a for a in COMMANDS],
                          ids=[" ".join(a) for a in COMMANDS])
-def test_readme_command_runs(argv, in_tmp, capsys):
+def test_readme_command_runs(argv, in_tmp, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # outside a terminal: tables at full width
     small = shrink(argv)
     rc = cli.main(small)
     out = capsys.readouterr()
     assert rc == 0, f"cpattn {shlex.join(small)} -> {rc}\n{out.out[-3000:]}\n{out.err[-3000:]}"
+    assert re.search(key_line(small), out.out + out.err), f"cpattn {shlex.join(small)}: no {key_line(small)!r}"
+    if small[0] == "bench" and "ringx4o" in small and "full" in small:  # runs the rest, notes what it left out
+        assert "not run for the full mask: ringx4o (causal-only)" in " ".join(out.err.split()), out.err
     for flag in ("--json", "--plot", "--heatmap", "--timeline"):
         if flag in small and small[small.index(flag) + 1]:
             assert (in_tmp / small[small.index(flag) + 1]).stat().st_size > 0, flag

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import args as a
-from .output import show_wide, stderr, stdout
+from .output import save_json, stderr, stdout, to_stdout
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -40,9 +40,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--predict", action="store_true",
                    help="add the cost model's prediction and its error to each row, and the median |error|")
     b.add_argument("--profile", help="calibration profile for --predict (default: the one `cpattn calibrate` wrote)")
-    b.add_argument("--json", help="also write the rows as JSON to this path (several configurations: {runs: [...]})")
-    b.add_argument("--plot", help="also write a PNG bar chart of efficiency (of the last configuration), with a "
-                                  "per-rank timeline panel of one stamped step for each schedule")
+    b.add_argument("--json", metavar="PATH",
+                   help="also write the rows as JSON to PATH (several configurations: {runs: [...]}); '-': to "
+                        "stdout, in place of the tables")
+    b.add_argument("--plot", help="also write a PNG: a bar chart of efficiency per configuration (one panel each), "
+                                  "and per-rank timeline panels of one stamped step for each schedule")
     b.add_argument("--trace", metavar="DIR",
                    help="stamp one more forward+backward per schedule and write its Chrome trace (Perfetto, "
                         "chrome://tracing) per configuration into DIR; adds the hidden transfer fraction column")
@@ -104,8 +106,6 @@ def configs(args) -> list[tuple]:
 
 
 def run(args) -> int:
-    import json
-
     from .. import bench
 
     console = stderr()
@@ -113,6 +113,7 @@ def run(args) -> int:
     profile = a.load_profile(args.profile) if args.predict else None
     results = []
     stamp = bool(args.trace or args.plot)  # the timeline step feeds the traces and the plot's panels
+    out = stdout(quiet=to_stdout(args.json))
     for cfg, names, skipped in todo:
         if skipped:
             groups: dict[str, list[str]] = {}
@@ -130,22 +131,18 @@ def run(args) -> int:
         if args.trace:
             for path in bench.write_traces(result, args.trace):
                 console.print(f"wrote {path}")
-        show_wide(bench.render(result))
+        out.print(bench.render(result))
         results.append(result)
     if args.predict:
         summary = bench.prediction_summary(results)
-        stdout().print(f"prediction error over {summary['rows']} schedule runs: median |error| "
+        out.print(f"prediction error over {summary['rows']} schedule runs: median |error| "
                        f"{summary['median_abs_error']:.1%} forward+backward, {summary['median_abs_fwd_error']:.1%} "
                        "forward")
     if args.json:
-        if len(results) == 1:
-            bench.save_json(results[0], args.json)
-        else:
-            with open(args.json, "w") as f:
-                json.dump({"runs": results, "prediction": bench.prediction_summary(results) if args.predict else None},
-                          f, indent=2)
-        console.print(f"wrote {args.json}")
+        save_json(results[0] if len(results) == 1 else
+                  {"runs": results, "prediction": bench.prediction_summary(results) if args.predict else None},
+                  args.json)
     if args.plot:
-        bench.plot(results[-1], args.plot)
+        bench.plot(results, args.plot)
         console.print(f"wrote {args.plot}")
     return 0 if all(r["ok"] for res in results for r in res["rows"]) else 1

@@ -6,9 +6,17 @@ from __future__ import annotations
 import argparse
 
 from . import args as a
-from .output import stderr, stdout
+from . import output as tables
+from .output import Column, stderr, stdout
 
 DEFAULT_GPUS = 8
+#: the tables' columns; ``drop``: the order in which they are left out of a narrow terminal (1 first)
+LEVELS = (Column("phase", "left"), Column("level", "left"), Column("method", "left", drop=2),
+          Column("status", "left", drop=4), Column("V"), Column("greedy V", drop=1),
+          Column("max load / bound", drop=3), Column("s", drop=5))
+SCHEDULE = (Column("phase", "left"), Column("kernels"), Column("max cells", drop=2), Column("transfers"),
+            Column("busiest sent MB", drop=3), Column("busiest recv MB", drop=4), Column("predicted ms"),
+            Column("scheduler", "left", drop=1))
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -44,8 +52,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from rich.table import Table
-
     from .. import planner
     from ..core.masks import resolve
     from ..core.steps import DTYPE_BYTES
@@ -73,40 +79,37 @@ def run(args) -> int:
               f"({plan.chunks_per_rank} per rank), node-level chunk {req.node_chunk}; owner map: {owner_map}; "
               f"built in {plan.seconds:.1f} s; "
               f"cache: {'off' if args.no_cache else args.cache_dir or planner.cache_dir()}")
-    levels = Table(title="placement (partition ILP per level; V = busiest unit's traffic in message units)")
-    for col in ("phase", "level", "method", "status", "V", "greedy V", "max load / bound", "s"):
-        levels.add_column(col, justify="left" if col in ("phase", "level", "method", "status") else "right")
+    rows = []
     for name in ("forward", "backward"):
         for r in plan.phase(name).levels:
             where = r["level"] + (f" {r['node']}" if "node" in r else "") + (" (reused)" if r.get("reused") else "")
-            levels.add_row(name, where, r["method"], r["status"], str(r["v"]), str(r["greedy_v"] or "-"),
-                           f"{r['max_load']} / {r['bound']}", f"{r['seconds']:.2f}")
-    out.print(levels)
+            rows.append([name, where, r["method"], r["status"], str(r["v"]), str(r["greedy_v"] or "-"),
+                         f"{r['max_load']} / {r['bound']}", f"{r['seconds']:.2f}"])
+    out.print(tables.table(LEVELS, rows, everything="--json PATH has the whole plan",
+                           title="placement (partition ILP per level; V = busiest unit's traffic in message units)"))
     elem = DTYPE_BYTES[args.dtype]
     sizes = plan.sizes(args.batch, args.heads, args.kv_heads, args.head_dim, elem, 8 if elem == 8 else 4)
-    summary = Table(title="schedule (kernel graph on compute / send / receive lanes)")
-    for col in ("phase", "kernels", "max cells", "transfers", "busiest sent MB", "busiest recv MB", "predicted ms",
-                "scheduler"):
-        summary.add_column(col, justify="left" if col in ("phase", "scheduler") else "right")
+    rows = []
     for name in ("forward", "backward"):
         ph = plan.phase(name)
         vols = [plan.volume(r, sizes)[name] for r in range(plan.world)]
         sent = max(v.get("send", {}).get("bytes_sent", 0) for v in vols)
         recv = max(v.get("recv", {}).get("bytes_recv", 0) for v in vols)
-        summary.add_row(name, str(len(ph.kernels)), str(ph.max_cells), str(len(ph.transfers)), f"{sent / 1e6:.4g}",
-                        f"{recv / 1e6:.4g}", f"{ph.predicted * 1e3:.4g}",
-                        f"{ph.scheduler['method']} ({ph.scheduler['status']})")
-    out.print(summary)
-    if table.n <= 64:
+        rows.append([name, str(len(ph.kernels)), str(ph.max_cells), str(len(ph.transfers)), f"{sent / 1e6:.4g}",
+                     f"{recv / 1e6:.4g}", f"{ph.predicted * 1e3:.4g}", f"{ph.scheduler['method']} "
+                                                                      f"({ph.scheduler['status']})"])
+    out.print(tables.table(SCHEDULE, rows, everything="--json PATH has the whole plan",
+                           title="schedule (kernel graph on compute / send / receive lanes)"))
+    digits = len(str(plan.world - 1))
+    if table.n <= 64 and table.n * (digits + 1) - 1 <= (tables.columns() or tables.FULL_WIDTH):
         out.print("block table ('.' empty, '#' full, '\\' causal, '+' partial):", highlight=False)
         out.print(table.render(), highlight=False, markup=False)
         for name in ("forward", "backward"):
             ph = plan.phase(name)
-            width = len(str(plan.world - 1))
             out.print(f"{name} placement (rank per cell, '.' empty):", highlight=False)
             for i in range(table.n):
-                out.print(" ".join("." * width if ph.assign[i * table.n + j] < 0
-                                   else str(ph.assign[i * table.n + j]).rjust(width) for j in range(table.n)),
+                out.print(" ".join("." * digits if ph.assign[i * table.n + j] < 0
+                                   else str(ph.assign[i * table.n + j]).rjust(digits) for j in range(table.n)),
                           highlight=False)
     else:
         out.print(f"({table.n} x {table.n} cells: see the heatmap)")

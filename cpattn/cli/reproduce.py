@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 
 from . import args as a
-from .output import stderr, stdout
+from .output import Column, save_json, schedule_style, stderr, stdout, table, to_stdout
 
 #: what ``ultraattn --full`` runs (the paper's grid); the default is the part that plans in minutes
 ULTRA_FULL = {"seq": [65536, 524288], "gpus": [8, 16, 32, 64], "heads": [1, 32]}
@@ -48,7 +48,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="GCD counts at which to find the ring bandwidth that gives --target (default: the largest "
                         "of --gcds; '' for none)")
     x.add_argument("--no-context", action="store_true", help="leave out zigzag_ring and stripe_ring (causal)")
-    x.add_argument("--json", help="also write the results as JSON to this path")
+    x.add_argument("--json", metavar="PATH",
+                   help="also write the results as JSON to PATH ('-': to stdout, in place of the tables)")
     x.add_argument("--plot", default="reproduce_ringx.png", help="PNG (default reproduce_ringx.png; '' for none)")
     x.set_defaults(func=run_ringx)
 
@@ -72,7 +73,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     u.add_argument("--time-budget", type=float, default=None,
                    help="seconds of CP-SAT solving per plan (default: the ultra schedule's planner default, 15)")
     u.add_argument("--target", type=float, default=r.ULTRA_CLAIM, help="the paper's average speedup (default 5.5)")
-    u.add_argument("--json", help="also write the results as JSON to this path")
+    u.add_argument("--json", metavar="PATH",
+                   help="also write the results as JSON to PATH ('-': to stdout, in place of the tables)")
     u.add_argument("--plot", default="reproduce_ultraattn.png",
                    help="PNG (default reproduce_ultraattn.png; '' for none)")
     u.set_defaults(func=run_ultraattn)
@@ -99,10 +101,7 @@ def _gbs(bw: float | None) -> str:
 
 # --------------------------------------------------------------------------------------------- ringx
 def run_ringx(args) -> int:
-    import json
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from ..lab import reproduce as r
 
@@ -148,18 +147,20 @@ def run_ringx(args) -> int:
                 progress.advance(task, len(r.ringx_variants(mask)))
     elapsed = time.perf_counter() - start
 
-    out = stdout()
+    out = stdout(to_stdout(args.json))
     several_models = len(models) > 1
     for mask in masks:
         names = [n for n in r.ringx_schedules(mask, not args.no_context) if n != r.RINGX_BASELINE]
         variants = r.ringx_variants(mask)
-        t = Table(title=f"RingX on {r.RINGX_TOPOLOGY} ({args.algorithm} collectives): {mask} attention, "
-                        f"{args.phase}, speedup T(ring) / T(schedule)",
-                  caption=f"* needs more than the {_gib(cases, mask)} GiB of a GCD; best: the fastest RingX "
-                          f"variant that fits; paper: up to {args.target:g}x")
-        cols = (["h:kv d"] if several_models else []) + ["b x s/GCD", "GCDs", "ring s", *names, "best", "best x"]
-        for col in cols:
-            t.add_column(col, justify="left" if col in ("best", "b x s/GCD", "h:kv d") else "right")
+        heads = (["h:kv d"] if several_models else []) + ["b x s/GCD", "GCDs", "ring s", *names, "best", "best x"]
+        # a narrow terminal loses the ring's own time first, then the context baselines, then the variants
+        # that do not overlap, then the pipelined ones; the best variant and its speedup always stay
+        order = ["ring s", *[n for n in names if n in r.RINGX_CONTEXT], *[n for n in names if not n.endswith("o")],
+                 *[n for n in names if n.endswith("o")]]
+        order = list(dict.fromkeys(order))
+        cols = [Column(h, "left" if h in ("best", "b x s/GCD", "h:kv d") else "right",
+                       drop=order.index(h) + 1 if h in order else 0) for h in heads]
+        rows = []
         for (m, model, (b, s), p), case in cases.items():
             if m != mask:
                 continue
@@ -169,45 +170,50 @@ def run_ringx(args) -> int:
             row += [f"{b} x {s}", str(p), "-" if ring is None else f"{ring:.4g}"]
             row += [_x(case.speedup(n, r.RINGX_BASELINE), case.fits(n)) for n in names]
             row += [best or "none fits", _x(case.speedup(best, r.RINGX_BASELINE)) if best else "-"]
-            t.add_row(*row)
-        out.print(t)
+            rows.append(row)
+        out.print(table(cols, rows, everything="--json PATH has every figure",
+                        title=f"RingX on {r.RINGX_TOPOLOGY} ({args.algorithm} collectives): {mask} attention, "
+                              f"{args.phase}, speedup T(ring) / T(schedule)",
+                        caption=f"* needs more than the {_gib(cases, mask)} GiB of a GCD; best: the fastest RingX "
+                                f"variant that fits; paper: up to {args.target:g}x"))
         notes = {n: note for case in cases.values() if case.problem.mask.name == mask for n, note in case.notes.items()}
         for n, note in notes.items():
             out.print(f"[dim]{n}: {note}[/dim]")
 
     if gaps:
-        t = Table(title=f"What the ring's point-to-point bandwidth would have to be for each variant to be "
-                        f"{args.target:g}x faster than ring (the variant at the preset's figures)",
-                  caption="overlap: the ring's transfers hidden behind compute as the model has it; no overlap: "
-                          "the ring's transfers exposed; preset: the link the ring's transfers cross "
-                          "(a Slingshot NIC across nodes, Infinity Fabric inside one)")
-        for col in (["h:kv d"] if several_models else []) + ["mask", "b x s/GCD", "GCDs", "variant", "fits",
-                                                              "at preset", "needs (overlap)", "needs (no overlap)",
-                                                              "preset", "note"]:
-            t.add_column(col, justify="right" if col in ("GCDs", "at preset") else "left")
+        heads = (["h:kv d"] if several_models else []) + ["mask", "b x s/GCD", "GCDs", "variant", "fits",
+                                                          "at preset", "needs (overlap)", "needs (no overlap)",
+                                                          "preset", "note"]
+        order = ["preset", "fits", "at preset", "mask", "needs (no overlap)"]
+        cols = [Column(h, "right" if h in ("GCDs", "at preset") else "left",
+                       drop=order.index(h) + 1 if h in order else 0, min_width=20 if h == "note" else None)
+                for h in heads]
         paired = {}
         for g in gaps:
             paired.setdefault((g["mask"], g["heads"], g["kv_heads"], g["head_dim"], g["batch"], g["tokens_per_gcd"],
                                g["gcds"], g["variant"]), []).append(g)
+        rows = []
         for (mask, h, kv, d, b, s, p, variant), (ov, no) in paired.items():
             row = [f"{h}:{kv} {d}"] if several_models else []
             note = ov["reason"] or no["reason"]
             row += [mask, f"{b} x {s}", str(p), variant, "yes" if ov["fits"] else "no", _x(ov["at_preset"]),
                     _need(ov), _need(no), _gbs(ov["preset_bandwidth"]), note]
-            t.add_row(*row)
-        out.print(t)
+            rows.append(row)
+        out.print(table(cols, rows, everything="--json PATH has every figure",
+                        title=f"What the ring's point-to-point bandwidth would have to be for each variant to be "
+                              f"{args.target:g}x faster than ring (the variant at the preset's figures)",
+                        caption="overlap: the ring's transfers hidden behind compute as the model has it; no "
+                                "overlap: the ring's transfers exposed; preset: the link the ring's transfers cross "
+                                "(a Slingshot NIC across nodes, Infinity Fabric inside one)"))
     out.print(f"grid: {len(grid)} points, {len(gaps)} bandwidth searches, {elapsed:.1f} s")
 
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": "reproduce ringx", "topology": r.RINGX_TOPOLOGY, "algorithm": args.algorithm,
-                       "phase": args.phase, "dtype": args.dtype, "target": args.target, "seconds": elapsed,
-                       "cases": [{**c.to_json(), "tokens_per_gcd": k[2][1],
-                                  "best": c.fastest(r.ringx_variants(k[0])),
-                                  "speedups": {n: c.speedup(n, r.RINGX_BASELINE) for n in c.estimates}}
-                                 for k, c in cases.items()],
-                       "gaps": gaps}, f, indent=2)
-        stderr().print(f"wrote {args.json}")
+        save_json({"command": "reproduce ringx", "topology": r.RINGX_TOPOLOGY, "algorithm": args.algorithm,
+                   "phase": args.phase, "dtype": args.dtype, "target": args.target, "seconds": elapsed,
+                   "cases": [{**c.to_json(), "tokens_per_gcd": k[2][1], "best": c.fastest(r.ringx_variants(k[0])),
+                              "speedups": {n: c.speedup(n, r.RINGX_BASELINE) for n in c.estimates}}
+                             for k, c in cases.items()],
+                   "gaps": gaps}, args.json)
     if args.plot:
         plot_ringx(cases, masks, models, shapes, args.target, args.algorithm, args.plot, not args.no_context)
         stderr().print(f"wrote {args.plot}")
@@ -250,9 +256,10 @@ def plot_ringx(cases: dict, masks: list[str], models: list, shapes: list, target
                 ys = [c.speedup(n, r.RINGX_BASELINE) for p, c in pts if c.total(n) is not None]
                 if not xs:
                     continue
-                style = dict(linestyle=":", color="grey" if n == "zigzag_ring" else "silver") \
-                    if n in r.RINGX_CONTEXT else {}
-                (line,) = ax.plot(xs, ys, marker="o", label=n, **style)
+                style = schedule_style(n)  # every line its own colour, marker and dashes
+                if n in r.RINGX_CONTEXT:  # the context baselines in grey, dotted
+                    style |= {"linestyle": ":", "color": "grey" if n == "zigzag_ring" else "silver"}
+                (line,) = ax.plot(xs, ys, label=n, **style)
                 over = [(p, y) for p, c, y in zip(xs, [c for _, c in pts if c.total(n) is not None], ys)
                         if not c.fits(n)]
                 if over:
@@ -269,7 +276,7 @@ def plot_ringx(cases: dict, masks: list[str], models: list, shapes: list, target
                 ax.set_ylabel("speedup over ring")
         axes[i][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(f"RingX variants vs ring attention, Frontier model ({algorithm} collectives); dashed: the paper's "
-                 f"{target:g}x; hollow: over 64 GB per GCD", fontsize=10)
+                 f"{target:g}x; hollow: over the {_gib(cases, masks[0])} GiB of a GCD", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -277,10 +284,7 @@ def plot_ringx(cases: dict, masks: list[str], models: list, shapes: list, target
 
 # ----------------------------------------------------------------------------------------- ultraattn
 def run_ultraattn(args) -> int:
-    import json
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from .. import schedules
     from ..lab import reproduce as r
@@ -317,43 +321,44 @@ def run_ultraattn(args) -> int:
     speedups = [r.ultra_speedup(pattern, case) for pattern, case in cases]
     averages = r.ultra_averages(speedups)
 
-    out = stdout()
-    t = Table(title=f"UltraAttn on {r.ULTRA_TOPOLOGY}: ultra (its plan) against the baselines, {args.phase}, "
-                    f"d={args.head_dim} {args.dtype}, batch 1",
-              caption="times in ms on the busiest rank; vs ring family: T(best of ring, zigzag_ring, stripe_ring "
-                      "run) / T(ultra); vs best: the best baseline including allgather")
-    for col in ("S", "Nh", "GPUs", "pattern", "ultra ms", *[f"{b} ms" for b in args.baselines], "best ring family",
-                "vs ring family", "best", "vs best", "plan s"):
-        t.add_column(col, justify="left" if col in ("pattern", "best ring family", "best") else "right")
+    out = stdout(to_stdout(args.json))
+    heads = ["S", "Nh", "GPUs", "pattern", "ultra ms", *[f"{b} ms" for b in args.baselines], "best ring family",
+             "vs ring family", "best", "vs best", "plan s"]
+    order = ["plan s", *[f"{b} ms" for b in reversed(args.baselines)], "S", "best ring family", "best"]
+    cols = [Column(h, "left" if h in ("pattern", "best ring family", "best") else "right",
+                   drop=order.index(h) + 1 if h in order else 0) for h in heads]
+    rows = []
     for (pattern, case), sp in zip(cases, speedups):
         ms = [case.total(n) for n in ("ultra", *args.baselines)]
-        t.add_row(str(sp.seq_len), str(sp.heads), str(sp.gpus), pattern,
-                  *["-" if v is None else f"{v * 1e3:.4g}" for v in ms], sp.best_ring or "-", _x(sp.vs_ring),
-                  sp.best_any or "-", _x(sp.vs_any), f"{case.seconds.get('ultra', 0.0):.1f}")
-    out.print(t)
+        rows.append([str(sp.seq_len), str(sp.heads), str(sp.gpus), pattern,
+                     *["-" if v is None else f"{v * 1e3:.4g}" for v in ms], sp.best_ring or "-", _x(sp.vs_ring),
+                     sp.best_any or "-", _x(sp.vs_any), f"{case.seconds.get('ultra', 0.0):.1f}"])
+    out.print(table(cols, rows, everything="--json PATH has every figure",
+                    title=f"UltraAttn on {r.ULTRA_TOPOLOGY}: ultra (its plan) against the baselines, {args.phase}, "
+                          f"d={args.head_dim} {args.dtype}, batch 1",
+                    caption="times in ms on the busiest rank; vs ring family: T(best of ring, zigzag_ring, "
+                            "stripe_ring run) / T(ultra); vs best: the best baseline including allgather"))
     for pattern, case in cases:
         for n, note in case.notes.items():
             out.print(f"[dim]{pattern} S={case.problem.seq_len} P={case.problem.world}: {n}: {note}[/dim]")
-    t = Table(title=f"Average over patterns ({', '.join(args.patterns)}) against the paper's {args.target:g}x",
-              caption="arithmetic mean of ultra's speedup per pattern")
-    for col in ("S", "Nh", "GPUs", "mean vs ring family", "mean vs best", f"of {args.target:g}x"):
-        t.add_column(col, justify="right")
+    cols = [Column(h) for h in ("S", "Nh", "GPUs", "mean vs ring family", "mean vs best", f"of {args.target:g}x")]
+    rows = []
     for row in averages:
         mr, mb = row["mean_vs_ring_family"], row["mean_vs_best"]
-        t.add_row(str(row["seq_len"]), str(row["heads"]), str(row["gpus"]), _x(mr), _x(mb),
-                  "-" if mr is None else f"{100 * mr / args.target:.0f}%")
-    out.print(t)
+        rows.append([str(row["seq_len"]), str(row["heads"]), str(row["gpus"]), _x(mr), _x(mb),
+                     "-" if mr is None else f"{100 * mr / args.target:.0f}%"])
+    out.print(table(cols, rows, title=f"Average over patterns ({', '.join(args.patterns)}) against the paper's "
+                                      f"{args.target:g}x",
+                    caption="arithmetic mean of ultra's speedup per pattern"))
     out.print(f"{len(cases)} cases in {elapsed:.1f} s, of which {planning:.1f} s for ultra's plans (plan cache: "
               f"{cache_dir()}; a second run reads them from there)")
 
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": "reproduce ultraattn", "topology": r.ULTRA_TOPOLOGY, "phase": args.phase,
-                       "target": args.target, "seconds": elapsed, "planning_seconds": planning,
-                       "cases": [{**case.to_json(), "pattern": pattern, **asdict(sp)}
-                                 for (pattern, case), sp in zip(cases, speedups)],
-                       "averages": averages}, f, indent=2)
-        stderr().print(f"wrote {args.json}")
+        save_json({"command": "reproduce ultraattn", "topology": r.ULTRA_TOPOLOGY, "phase": args.phase,
+                   "target": args.target, "seconds": elapsed, "planning_seconds": planning,
+                   "cases": [{**case.to_json(), "pattern": pattern, **asdict(sp)}
+                             for (pattern, case), sp in zip(cases, speedups)],
+                   "averages": averages}, args.json)
     if args.plot:
         plot_ultraattn(speedups, averages, args.patterns, args.target, args.plot)
         stderr().print(f"wrote {args.plot}")

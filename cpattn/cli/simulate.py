@@ -5,9 +5,20 @@ from __future__ import annotations
 import argparse
 
 from . import args as a
-from .output import stderr, stdout
+from .output import Column, footnotes, save_json, schedule_style, stderr, stdout, table, to_stdout
 
 DEFAULT_GPUS = [8, 64, 512, 4096]
+#: the longest note kept in its cell; a longer one (why a schedule cannot run) is a numbered footnote
+SHORT_NOTE = 24
+#: the table's columns; ``drop``: the order in which they are left out of a narrow terminal (1 first)
+TABLE = (Column("GPUs"), Column("seq", drop=4), Column("schedule", "left"), Column("total ms"),
+         Column("compute ms", drop=3), Column("comm ms", drop=5), Column("exposed ms", drop=7),
+         Column("TFLOP/s/GPU", drop=6), Column("vs ring"), Column("sent MB/GPU", drop=2),
+         Column("wire MB/GPU", drop=1), Column("peak GiB/GPU", drop=8), Column("note", "left"))
+#: the model mode's columns
+MODEL_TABLE = (Column("schedule", "left"), Column("step s"), Column("attention s", drop=3), Column("dense s", drop=2),
+               Column("grad sync s (exposed)", drop=1), Column("tokens/s", drop=4), Column("MFU"),
+               Column("vs reference"))
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -53,7 +64,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "all-reduce, broadcast and reduce), or per op, e.g. 'all_reduce:tree;broadcast:ring' (default: "
                         "$NCCL_ALGO if set, read as NCCL does: a bare ring or tree sets the all-reduce only; else "
                         "auto; local: the algorithms its calibration fitted)")
-    m.add_argument("--json", help="also write the rows as JSON to this path")
+    m.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH ('-': to stdout, in place of "
+                                                  "the tables)")
     m.add_argument("--plot", default="simulate.png", help="scaling plot PNG (default simulate.png; '' for none)")
     m.set_defaults(func=run)
     return m
@@ -83,11 +95,9 @@ def algorithm_choice(given: str | None) -> str | None:
 
 
 def run(args) -> int:
-    import json
     from dataclasses import replace
 
     from rich.progress import Progress
-    from rich.table import Table
 
     from .. import cost, schedules
     from ..core.masks import resolve
@@ -136,27 +146,35 @@ def run(args) -> int:
                 progress.update(task, description=f"P={p} {name}")
                 rows.append(_row(name, problem, topo, args.phase))
                 progress.advance(task)
-    t = Table(title=f"cpattn simulate: {args.topology}, {mask!r}, h={args.heads}:{args.kv_heads} d={args.head_dim} "
-                    f"b={args.batch} {args.dtype}, {args.phase}, collectives {algo or 'default'}",
-              caption="times on the busiest rank; TFLOP/s counts allowed (q, k) pairs (bwd = 2.5 x fwd); "
-                      "vs ring = T(ring) / T(schedule); sent = payload of the busiest rank, wire = what the "
-                      "busiest rank sends on the wire, forwarding for others included (collective algorithms)")
-    for col in ("GPUs", "seq", "schedule", "total ms", "compute ms", "comm ms", "exposed ms", "TFLOP/s/GPU",
-                "vs ring", "sent MB/GPU", "wire MB/GPU", "peak GiB/GPU", "note"):
-        t.add_column(col, justify="left" if col in ("schedule", "note") else "right")
-    ring = {r["gpus"]: r["estimate"] for r in rows if r["schedule"] == "ring" and r["estimate"] is not None}
+    notes, ring = [], {r["gpus"]: r["estimate"] for r in rows if r["schedule"] == "ring" and r["estimate"] is not None}
+    cells = []
     for r in rows:
         e = r["estimate"]
+        short = len(r["note"]) <= SHORT_NOTE  # e.g. "exceeds 64 GiB" stays in its cell; longer notes are footnotes
+        notes.append("" if short else r["note"])
         if e is None:
-            t.add_row(str(r["gpus"]), str(r["seq"]), r["schedule"], *[""] * 9, f"[dim]{r['note']}[/dim]")
+            cells.append([str(r["gpus"]), str(r["seq"]), r["schedule"], *["-"] * 9, ""])
             continue
         vs = f"{ring[r['gpus']].total / e.total:.2f}x" if r["gpus"] in ring else "-"
-        t.add_row(str(r["gpus"]), str(r["seq"]), r["schedule"], f"{e.total * 1e3:.4g}", f"{e.compute * 1e3:.4g}",
-                  f"{e.comm * 1e3:.4g}", f"{e.exposed_comm * 1e3:.4g}", f"{e.tflops_per_rank(r['gpus']):.3g}", vs,
-                  f"{e.bytes_per_rank / 1e6:.4g}", f"{e.wire_bytes_per_rank / 1e6:.4g}", f"{e.peak_memory / 2**30:.3g}",
-                  r["note"])
-    out = stdout()
-    out.print(t)
+        cells.append([str(r["gpus"]), str(r["seq"]), r["schedule"], f"{e.total * 1e3:.4g}", f"{e.compute * 1e3:.4g}",
+                      f"{e.comm * 1e3:.4g}", f"{e.exposed_comm * 1e3:.4g}", f"{e.tflops_per_rank(r['gpus']):.3g}", vs,
+                      f"{e.bytes_per_rank / 1e6:.4g}", f"{e.wire_bytes_per_rank / 1e6:.4g}",
+                      f"{e.peak_memory / 2**30:.3g}", ""])
+    marks, texts = footnotes(notes)
+    for row, r, mark in zip(cells, rows, marks):
+        row[-1] = mark or r["note"]
+    quiet = to_stdout(args.json)
+    out = stdout(quiet)
+    out.print(table(TABLE, cells,
+                    title=f"cpattn simulate: {args.topology}, {mask!r}, h={args.heads}:{args.kv_heads} "
+                          f"d={args.head_dim} b={args.batch} {args.dtype}, {args.phase}, "
+                          f"collectives {algo or 'default'}",
+                    caption="times on the busiest rank; TFLOP/s counts allowed (q, k) pairs (bwd = 2.5 x fwd); "
+                            "vs ring = T(ring) / T(schedule); sent = payload of the busiest rank, wire = what the "
+                            "busiest rank sends on the wire, forwarding for others included (collective algorithms)",
+                    everything="--json PATH has every figure"))
+    for text in texts:
+        out.print(text, highlight=False)
     if bounds:
         out.print("balanced bound (every GPU does 1/P of the work at the device's large-block rate, no "
                   "communication): " + ", ".join(f"P={p}: {b * 1e3:.4g} ms" for p, b in bounds.items()))
@@ -170,10 +188,7 @@ def run(args) -> int:
     if args.json:
         from dataclasses import asdict
 
-        with open(args.json, "w") as f:
-            json.dump([{**r, "estimate": asdict(r["estimate"]) if r["estimate"] else None} for r in rows], f,
-                      indent=2)
-        stderr().print(f"wrote {args.json}")
+        save_json([{**r, "estimate": asdict(r["estimate"]) if r["estimate"] else None} for r in rows], args.json)
     if args.plot:
         plot(rows, args, mask.name, args.plot)
         stderr().print(f"wrote {args.plot}")
@@ -184,8 +199,6 @@ def run_model(args) -> int:
     """Model-level mode: one training step of ``--model`` at ``--seq`` tokens per replica on ``--cp`` x
     ``--dp`` devices of the topology, per schedule (``cpattn.cost.training``)."""
     from dataclasses import asdict, replace
-
-    from rich.table import Table
 
     from .. import cost, schedules
     from ..core.masks import resolve
@@ -232,27 +245,20 @@ def run_model(args) -> int:
             if args.schedules:  # asked for by name: say why not
                 stderr().print(f"{name}: {exc}")
             skipped.append(name)
-    t = Table(title=f"{args.model} at {seq} tokens, cp {args.cp} x dp {args.dp} = {args.cp * args.dp} devices on "
-                    f"{args.topology}, {mask.name} (peak {peak / 1e12:.4g} TFLOP/s per device, dense layers at "
-                    f"{100 * efficiency:.0f}% of it)",
-              caption=f"MFU counts 6N plus the attention pairs the mask computes; reference MFU "
-                      f"{100 * args.reference_mfu:.0f}%")
-    for col in ("schedule", "step s", "attention s", "dense s", "grad sync s (exposed)", "tokens/s", "MFU",
-                "vs reference"):
-        t.add_column(col, justify="left" if col == "schedule" else "right")
-    for r in sorted(rows, key=lambda r: r.step):
-        t.add_row(r.schedule, f"{r.step:.4g}", f"{r.attention:.4g}", f"{r.dense:.4g}",
-                  f"{r.grad_sync:.3g} ({r.grad_sync_exposed:.3g})", f"{r.tokens_per_s:.4g}", f"{100 * r.mfu:.1f}%",
-                  f"{r.mfu / args.reference_mfu:.2f}x")
-    stdout().print(t)
+    out = stdout(to_stdout(args.json))
+    out.print(table(MODEL_TABLE, [[r.schedule, f"{r.step:.4g}", f"{r.attention:.4g}", f"{r.dense:.4g}",
+                                   f"{r.grad_sync:.3g} ({r.grad_sync_exposed:.3g})", f"{r.tokens_per_s:.4g}",
+                                   f"{100 * r.mfu:.1f}%", f"{r.mfu / args.reference_mfu:.2f}x"]
+                                  for r in sorted(rows, key=lambda r: r.step)],
+                    title=f"{args.model} at {seq} tokens, cp {args.cp} x dp {args.dp} = {args.cp * args.dp} devices "
+                          f"on {args.topology}, {mask.name} (peak {peak / 1e12:.4g} TFLOP/s per device, dense layers "
+                          f"at {100 * efficiency:.0f}% of it)",
+                    caption=f"MFU counts 6N plus the attention pairs the mask computes; reference MFU "
+                            f"{100 * args.reference_mfu:.0f}%", everything="--json PATH has every figure"))
     if skipped:
-        stdout().print(f"not shown, they cannot run this problem: {', '.join(skipped)}")
+        out.print(f"not shown, they cannot run this problem: {', '.join(skipped)}")
     if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=2)
-        stderr().print(f"wrote {args.json}")
+        save_json([asdict(r) for r in rows], args.json)
     return 0
 
 
@@ -292,8 +298,9 @@ def plot(rows: list[dict], args, mask_label: str, path: str) -> None:
         if not pts:
             continue
         gpus = [g for g, _ in pts]
-        ax_t.plot(gpus, [e.total for _, e in pts], marker="o", label=name)
-        ax_f.plot(gpus, [e.tflops_per_rank(g) for g, e in pts], marker="o", label=name)
+        style = schedule_style(name)  # colour, marker and dashes: no two schedules alike, the same in every plot
+        ax_t.plot(gpus, [e.total for _, e in pts], label=name, **style)
+        ax_f.plot(gpus, [e.tflops_per_rank(g) for g, e in pts], label=name, **style)
     scaling = f"{args.seq} tokens" if args.seq is not None else f"{args.seq_per_gpu} tokens per GPU"
     for ax, label in ((ax_t, "predicted time (s)"), (ax_f, "attention TFLOP/s per GPU")):
         ax.set_xscale("log", base=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import args as a
-from .output import stderr, stdout
+from .output import Column, save_json, stderr, stdout, table, to_stdout
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -19,7 +19,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     v.add_argument("--no-subgroup", action="store_true", help="skip the 2-rank subgroup of a 4-rank world")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--timeout", type=float, default=120.0, help="seconds per case")
-    v.add_argument("--json", help="also write the results as JSON to this path")
+    v.add_argument("--json", metavar="PATH",
+                   help="also write the results as JSON to PATH ('-': to stdout, in place of the table)")
     v.set_defaults(func=run)
     return v
 
@@ -52,7 +53,6 @@ def cases(args) -> list:
 
 def run(args) -> int:
     from rich.progress import Progress
-    from rich.table import Table
 
     from .. import verify
     from ..core.comm import POISON_ENV
@@ -74,24 +74,23 @@ def run(args) -> int:
     finally:
         for w in worlds.values():
             w.close()
-    t = Table(title="cpattn verify: relative error vs float64 (tolerance 2 x single-device error + 1e-6)")
-    for col in ("case", "result", *verify.QUANTITIES, "max err/tol", "comm"):
-        t.add_column(col, justify="left" if col in ("case", "result") else "right")
+    cols = [Column("case", "left"), Column("result", "left"),
+            *[Column(q, drop=len(verify.QUANTITIES) - k) for k, q in enumerate(verify.QUANTITIES)],
+            Column("max err/tol"), Column("comm")]
+    rows = []
     for r in results:
         cells = [f"{r.errors[q]:.1e}" if q in r.errors else "-" for q in verify.QUANTITIES]
         comm = "[red]differs[/red]" if r.comm_mismatches else ("-" if r.failure else "ok")
         verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
         ratio = max((r.errors[q] / r.tolerances[q] for q in r.errors), default=float("nan"))
-        t.add_row(r.case.label, verdict, *cells, f"{ratio:.2f}", comm)
-    console = stdout()
-    console.print(t)
+        rows.append([r.case.label, verdict, *cells, f"{ratio:.2f}", comm])
+    console = stdout(to_stdout(args.json))
+    console.print(table(cols, rows, title="cpattn verify: relative error vs float64 (tolerance 2 x single-device "
+                                          "error + 1e-6)", everything="--json PATH has every error"))
     failed = [r for r in results if not r.passed]
     for r in failed:
         console.print(f"[red]FAIL[/red] {r.describe()}", markup=True, highlight=False)
     console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump([r.as_dict() for r in results], f, indent=2)
+        save_json([r.as_dict() for r in results], args.json)
     return 1 if failed else 0

@@ -22,6 +22,7 @@ def heatmap(plan: Plan, path: str) -> None:
     """Forward and backward side by side: cell (i, j) coloured by the rank that computes it (white:
     EMPTY), kernel calls outlined, owners' diagonal blocks framed."""
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     plt = _pyplot()
     n, world = plan.table.n, plan.world
@@ -46,7 +47,10 @@ def heatmap(plan: Plan, path: str) -> None:
                      f"{len(ph.transfers)} transfers", fontsize=9)
         ax.set_xlabel(f"key/value chunk ({plan.table.chunk} tokens)")
         ax.set_ylabel("query chunk")
-    fig.colorbar(im, ax=axes, label="rank", shrink=0.8)
+        for axis in (ax.xaxis, ax.yaxis):  # cells are whole chunks: ticks on their centres only
+            axis.set_major_locator(MaxNLocator(integer=True))
+    bar = fig.colorbar(im, ax=axes, label="rank", shrink=0.8)
+    bar.ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     key = plan.key
     fig.suptitle(f"UltraAttn plan: mask {key['mask']}, S={key['seq_len']}, {key['nodes']} x "
                  f"{key['devices_per_node']} devices ({key['topology_name']})", fontsize=10)
