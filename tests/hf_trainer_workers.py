@@ -38,6 +38,19 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": labels}
 
 
+class Unlabelled(torch.utils.data.Dataset):
+    """The rows of ``rows`` without their labels (prediction only)."""
+
+    def __init__(self, rows: Rows) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i]["input_ids"]}
+
+
 @contextlib.contextmanager
 def accelerate_state() -> Iterator[None]:
     """accelerate reads a process's rank and world size from the environment (torchrun's variables) and
@@ -76,7 +89,7 @@ def train(trainer: str, cp_size: int = 1, schedule: str = "zigzag_ring", dp: int
     ``cp_size`` ranks, ``batch`` rows per group); ``"transformers"``: the stock Trainer with eager
     attention on one process, ``dp * batch`` rows per batch (the same samples per step). Returns the
     logged losses and gradient norms, the evaluation loss and the predicted logits ``[eval_rows, seq_len,
-    vocab]``."""
+    vocab]``, with and without labels in the batches."""
     from transformers import AutoModelForCausalLM, TrainingArguments
     from transformers import Trainer as StockTrainer
 
@@ -104,11 +117,13 @@ def train(trainer: str, cp_size: int = 1, schedule: str = "zigzag_ring", dp: int
             logs = [e for e in run.state.log_history if "loss" in e and "grad_norm" in e]
             metrics = run.evaluate()
             predicted = run.predict(data["eval_dataset"])
+            unlabelled = run.predict(Unlabelled(data["eval_dataset"]))
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return {"loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
             "eval_loss": metrics["eval_loss"], "predict_loss": predicted.metrics["test_loss"],
-            "logits": torch.as_tensor(predicted.predictions)}
+            "logits": torch.as_tensor(predicted.predictions),
+            "unlabelled_logits": torch.as_tensor(unlabelled.predictions)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     result = train("cpattn", cp_size=int(cp_size))
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({k: v for k, v in result.items() if k != "logits"}, f)
+            json.dump({k: v for k, v in result.items() if not k.endswith("logits")}, f)
     dist.destroy_process_group()
 
 
