@@ -57,7 +57,7 @@ def run_inference(args) -> int:
 
     from rich.table import Table
 
-    from .. import cost
+    from .. import cost, schedules
     from ..core.masks import causal
     from ..cost import inference as icost
     from ..cost.presets import DEFAULT_MATMUL_EFFICIENCY, MATMUL_EFFICIENCY, MATMUL_PEAK
@@ -91,7 +91,13 @@ def run_inference(args) -> int:
         topo = args.topology.build(world, prof)
         return topo if algo is None else replace(topo, algorithm=algo)
 
-    names = args.schedules or [n for n in cost.default_candidates(causal()) if cost.estimable(n)]
+    names, causal_less = [], []
+    for sched in args.schedules or [n for n in cost.default_candidates(causal()) if cost.estimable(n)]:
+        try:
+            schedules.get(sched).check_mask(causal())
+            names.append(sched)
+        except (ValueError, NotImplementedError):
+            causal_less.append(sched)
     weights = param_count(conf) * 2 / tp  # bf16 weights per device
     prefill, decode, skipped = [], [], {}
     for g in gpus:
@@ -115,10 +121,11 @@ def run_inference(args) -> int:
     if args.json == "-":
         print(json.dumps({"prefill": prefill, "decode": decode}, indent=2))
         return 0
-    title = (f"{name} at {seq} tokens on {args.topology}, tp {tp} (dense layers at {100 * efficiency:.0f}% of "
-             f"{peak / 1e12:.4g} TFLOP/s)")
-    t = Table(title=f"prefill: {title}", caption="efficiency = T(cp=1) / (cp x T(cp)), the same schedule; MFU counts "
-                                                 "2N per token and the causal attention pairs")
+    title = (f"{name} at {seq} tokens, tp {tp} (dense layers at {100 * efficiency:.0f}% of {peak / 1e12:.4g} "
+             "TFLOP/s)")
+    t = Table(title=f"cpattn simulate: {args.topology}, prefill of {title}",
+              caption="efficiency = T(cp=1) / (cp x T(cp)), the same schedule; MFU counts 2N per token and the "
+                      "causal attention pairs")
     for col in ("GPUs", "cp x tp", "schedule", "prefill s", "attention s", "dense s", "TP comm s", "MFU", "efficiency",
                 "KV GiB/GPU", "note"):
         t.add_column(col, justify="left" if col in ("schedule", "note") else "right")
@@ -128,7 +135,7 @@ def run_inference(args) -> int:
                   f"{r['kv_bytes'] / 2**30:.3g}", r["note"])
     out = stdout()
     out.print(t)
-    d = Table(title=f"decode, {args.batch} row(s): {title}",
+    d = Table(title=f"cpattn simulate: {args.topology}, decoding {args.batch} row(s) of {title}",
               caption="per generated token; weights and cache read once from memory; merge = the decode merge's "
                       "collectives over the CP group, all layers; * the cost model's choice")
     for col in ("GPUs", "cp x tp", "merge", "ms/token", "weights ms", "attention ms", "merge ms", "TP comm ms",
@@ -148,6 +155,8 @@ def run_inference(args) -> int:
                   f"{100 * pub.efficiency:.0f}% parallel efficiency, {100 * pub.mfu:.0f}% FLOPS utilization; "
                   f"predicted: {best['total']:.3g} s ({best['schedule']}), {100 * best['efficiency']:.0f}% efficiency, "
                   f"{100 * best['mfu']:.0f}% MFU: {best['total'] / pub.seconds:.2f}x the published time")
+    if causal_less:
+        out.print(f"not shown, they cannot run the causal mask: {', '.join(causal_less)}")
     if skipped:
         out.print("not shown: " + "; ".join(f"{s} ({why})" for s, why in skipped.items()))
     if args.json:
