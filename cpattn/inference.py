@@ -295,7 +295,7 @@ class KVCache:
     def _reserve(self, layer: int, tokens: int) -> None:
         have = self._keys[layer]
         size = 0 if have is None else have.shape[0]
-        if tokens <= size:
+        if have is not None and tokens <= size:
             return
         new = max(tokens, 2 * size, self._capacity)
         for store in (self._keys, self._values):
@@ -339,7 +339,7 @@ class KVCache:
     def _local(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's first ``upto`` cached tokens of ``layer``: ``k, v [1, upto, h_kv, d]``, rows, positions."""
         if self._keys[layer] is None:
-            self._reserve(layer, max(1, self._capacity))
+            self._reserve(layer, 0)
         return (self._keys[layer][:upto][None], self._values[layer][:upto][None], self._rows(self.rank, upto),
                 self._positions(self.rank, upto))
 

@@ -51,6 +51,9 @@ def test_sharded_cache_is_exact_and_sends_what_its_formula_says(worlds, world, k
     the formulas, the new tokens spread so that the shards stay within one token."""
     results = worlds.get(world).run("inference_workers.kv_exactness", seed=2, timeout=180, **kw)
     check_ranks(results, f"CP={world} {kw}")
+    short = dict(kw, prompt=[2] * len(kw["prompt"]), more=[1] * len(kw["prompt"]))  # ranks holding padding only
+    check_ranks(worlds.get(world).run("inference_workers.kv_exactness", seed=3, timeout=180, **short),
+                f"CP={world} {short}")
     tokens = results[0]["tokens"]
     assert max(tokens) - min(tokens) <= 1 and sum(tokens) == sum(results[0]["row_lengths"])
     assert all(r["tokens"] == tokens for r in results)  # the replicated table agrees
