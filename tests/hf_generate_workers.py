@@ -147,3 +147,30 @@ def timing(kind: str, schedule: str, length: int, new_tokens: int, seed: int) ->
             "decode_bytes_per_step_layer": kv.comm_stats()["total"]["bytes_sent"] / max(1, (len(marks) - 1)
                                                                                          * kv.layers),
             "merge": kv.last_merge}
+
+
+def disagreeing_prompts(seed: int) -> str:
+    """Rank 1 passes another prompt than rank 0: every rank must raise the same error, before any
+    attention traffic. Returns the error's type and message."""
+    import torch.distributed as dist
+
+    model, _ = model_pair(config("llama"), seed)
+    ids, _ = prompts([20], seed + dist.get_rank())
+    cp = cpattn.ContextParallel(20, mask="causal", schedule="zigzag_ring")
+    try:
+        hf.generate(model, ids, cp, max_new_tokens=2)
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bfloat16_generation(seed: int) -> dict:
+    """A bfloat16 model at CP = the world size: runs, and the ranks agree (parity is float32's, above)."""
+    model, _ = model_pair(config("qwen3"), seed)
+    model = model.to(torch.bfloat16)
+    ids, mask = prompts([33, 20], seed + 1)
+    cp = cpattn.ContextParallel(53, mask="causal", schedule="zigzag_ring")
+    out = hf.generate(model, ids, cp, attention_mask=mask, max_new_tokens=4, eos_token_id=None,
+                      return_dict_in_generate=True)
+    kv = out.past_key_values.kv
+    return {"ids": out.sequences.tolist(), "dtype": str(kv.dtype), "nbytes": kv.nbytes}

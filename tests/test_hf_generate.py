@@ -78,6 +78,17 @@ def test_sampling_with_a_shared_seed_at_cp2(worlds):
         assert r["same_tokens"] and r["tokens"] == results[0]["tokens"], results
 
 
+def test_ranks_given_other_prompts_all_raise_and_bfloat16_runs(worlds):
+    """A rank with another prompt makes every rank raise the same error naming input_ids (no rank hangs);
+    a bfloat16 model generates the same ids on both ranks, its cache in bfloat16."""
+    w = worlds.get(2)
+    errors = w.run("hf_generate_workers.disagreeing_prompts", seed=1, timeout=120)
+    assert errors[0] == errors[1] and errors[0].startswith("RanksDisagreeError") and "input_ids" in errors[0], errors
+    results = w.run("hf_generate_workers.bfloat16_generation", seed=1, timeout=120)
+    assert not any(isinstance(r, RankError) for r in results), results
+    assert results[0]["ids"] == results[1]["ids"] and results[0]["dtype"] == "torch.bfloat16", results
+
+
 def test_one_rank_and_what_is_refused():
     """At one rank (no process group): the eager model's tokens and logits. Beam search, right padding, a
     model without the cpattn attention and unknown keywords raise before anything runs."""
