@@ -247,8 +247,8 @@ def test_the_bench_table_fits_100_columns_and_names_what_it_left_out(monkeypatch
 
 def test_a_narrow_table_wraps_at_spaces_and_never_cuts_a_word():
     note = "ulysses splits the 32 query heads over a Ulysses degree of 64: heads must be divisible by it"
-    cols = [output.Column("name", "left"), output.Column("value"), output.Column("note", "left", min_width=12),
-            output.Column("extra", drop=1)]
+    cols = [output.Column("name", "left"), output.Column("value"),
+            output.Column("note", "left", wrap=True, min_width=12), output.Column("extra", drop=1)]
     t = output.table(cols, [["zigzag_ring", "1.5e+04", note, "12345"]], width=40)
     assert [c.header for c in t.columns] == ["name", "value", "note"] and "extra" in str(t.caption)
     console = output.stdout()

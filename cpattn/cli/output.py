@@ -63,11 +63,14 @@ def stderr():
 class Column:
     """A table column: ``header``; ``justify``; ``drop``: 0 for a column that is always shown, else its
     place in the order in which columns are left out of a table too wide for the terminal (1 goes
-    first); ``min_width``: the narrowest a column of wrapped text (notes, summaries) may get."""
+    first); ``wrap``: whether its cells are text that may wrap at spaces (notes, summaries; a cell of
+    any other column keeps its lines whole, only the header folds); ``min_width``: the narrowest a
+    column of wrapped text may get."""
 
     header: str
     justify: str = "right"
     drop: int = 0
+    wrap: bool = False
     min_width: int | None = None
 
 
@@ -78,15 +81,21 @@ def _plain(cell: str) -> str:
 
 
 def _extent(col: Column, cells: Sequence[str]) -> tuple[int, int]:
-    """``(narrowest, widest)`` width of a column: its longest word (header folded at spaces, cells
-    wrapped at spaces; at least ``min_width``) and its longest line."""
+    """``(narrowest, widest)`` width of a column: the longest word of its header (folded at spaces) and
+    the longest line of its cells (for a ``wrap`` column, their longest word, and at least
+    ``min_width``); and its longest line."""
     from rich.cells import cell_len
 
-    texts = [col.header, *map(_plain, cells)]
-    lines = [ln for t in texts for ln in t.splitlines() or [""]]
-    words = [w for ln in lines for w in ln.split()]
-    widest = max(map(cell_len, lines))
-    narrowest = max(max(map(cell_len, words), default=1), min(col.min_width or 0, widest))
+    def lines(text: str) -> list[str]:
+        return text.splitlines() or [""]
+
+    cells = [ln for cell in cells for ln in lines(_plain(cell))]
+    header = lines(col.header)
+    widest = max(map(cell_len, header + cells))
+    pieces = [w for ln in header + (cells if col.wrap else []) for w in ln.split()]
+    narrowest = max(max(map(cell_len, pieces), default=1), 0 if col.wrap else max(map(cell_len, cells), default=0))
+    if col.wrap:
+        narrowest = max(narrowest, min(col.min_width or 0, widest))
     return narrowest, widest
 
 

@@ -11,12 +11,12 @@ from .output import Column, stderr, stdout
 
 DEFAULT_GPUS = 8
 #: the tables' columns; ``drop``: the order in which they are left out of a narrow terminal (1 first)
-LEVELS = (Column("phase", "left"), Column("level", "left"), Column("method", "left", drop=2),
-          Column("status", "left", drop=4), Column("V"), Column("greedy V", drop=1),
+LEVELS = (Column("phase", "left"), Column("level", "left", wrap=True), Column("method", "left", drop=2),
+          Column("status", "left", drop=4, wrap=True), Column("V"), Column("greedy V", drop=1),
           Column("max load / bound", drop=3), Column("s", drop=5))
 SCHEDULE = (Column("phase", "left"), Column("kernels"), Column("max cells", drop=2), Column("transfers"),
             Column("busiest sent MB", drop=3), Column("busiest recv MB", drop=4), Column("predicted ms"),
-            Column("scheduler", "left", drop=1))
+            Column("scheduler", "left", drop=1, wrap=True))
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -186,8 +186,9 @@ def run_ringx(args) -> int:
                                                           "preset", "note"]
         order = ["preset", "fits", "at preset", "mask", "needs (no overlap)"]
         cols = [Column(h, "right" if h in ("GCDs", "at preset") else "left",
-                       drop=order.index(h) + 1 if h in order else 0, min_width=20 if h == "note" else None)
-                for h in heads]
+                       drop=order.index(h) + 1 if h in order else 0, wrap=h in ("note", "needs (overlap)",
+                                                                              "needs (no overlap)"),
+                       min_width=20 if h == "note" else None) for h in heads]
         paired = {}
         for g in gaps:
             paired.setdefault((g["mask"], g["heads"], g["kv_heads"], g["head_dim"], g["batch"], g["tokens_per_gcd"],

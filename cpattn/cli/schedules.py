@@ -7,9 +7,10 @@ import argparse
 from .output import Column, save_json, stdout, table, to_stdout
 
 #: the table's columns; ``drop`` is the order in which they are left out of a narrow terminal
-COLUMNS = (Column("name", "left"), Column("masks it runs", "left", min_width=14),
-           Column("layout", "left", drop=2, min_width=10), Column("memory", "left", drop=1, min_width=14),
-           Column("summary", "left", drop=3, min_width=24))
+COLUMNS = (Column("name", "left"), Column("masks it runs", "left", wrap=True, min_width=14),
+           Column("layout", "left", drop=2, wrap=True, min_width=10),
+           Column("memory", "left", drop=1, wrap=True, min_width=14),
+           Column("summary", "left", drop=3, wrap=True, min_width=24))
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ SHORT_NOTE = 24
 TABLE = (Column("GPUs"), Column("seq", drop=4), Column("schedule", "left"), Column("total ms"),
          Column("compute ms", drop=3), Column("comm ms", drop=5), Column("exposed ms", drop=7),
          Column("TFLOP/s/GPU", drop=6), Column("vs ring"), Column("sent MB/GPU", drop=2),
-         Column("wire MB/GPU", drop=1), Column("peak GiB/GPU", drop=8), Column("note", "left"))
+         Column("wire MB/GPU", drop=1), Column("peak GiB/GPU", drop=8), Column("note", "left", wrap=True))
 #: the model mode's columns
 MODEL_TABLE = (Column("schedule", "left"), Column("step s"), Column("attention s", drop=3), Column("dense s", drop=2),
                Column("grad sync s (exposed)", drop=1), Column("tokens/s", drop=4), Column("MFU"),

@@ -74,7 +74,7 @@ def run(args) -> int:
     finally:
         for w in worlds.values():
             w.close()
-    cols = [Column("case", "left"), Column("result", "left"),
+    cols = [Column("case", "left", wrap=True, min_width=24), Column("result", "left"),
             *[Column(q, drop=len(verify.QUANTITIES) - k) for k, q in enumerate(verify.QUANTITIES)],
             Column("max err/tol"), Column("comm")]
     rows = []
