@@ -138,3 +138,18 @@ def test_a_text_run_resumes_at_the_same_document(worlds, tmp_path):
     (corpus / "doc000.txt").write_text("changed")
     with pytest.raises(ValueError, match="not what .* was trained on"):
         train.preflight(dataclasses.replace(base, steps=8, checkpoint=root, resume=True))
+
+
+@pytest.mark.slow
+def test_text_runs_follow_the_one_process_run_on_every_mesh(worlds, tmp_path):
+    """Each dp rank packs its rows into one sequence with their document mask; at (1, 2), (2, 1) and
+    (2, 2), sharded or not, the losses follow the one-process run's (1e-5)."""
+    corpus = _write_corpus(tmp_path / "text", 24)
+    base = train.TrainConfig(model="llama", config="tiny", steps=6, seq=128, batch=4, lr=3e-3, seed=2,
+                             data=str(corpus), peak_tflops=1.0)
+    ref = torch.tensor(_run(worlds, base)["losses"], dtype=torch.float64)
+    for dp, cp, fsdp in ((1, 2, True), (2, 1, True), (2, 2, True), (2, 2, False)):
+        got = torch.tensor(_run(worlds, dataclasses.replace(base, dp=dp, cp=cp, fsdp=fsdp))["losses"],
+                           dtype=torch.float64)
+        rel = ((got - ref).abs() / ref).max().item()
+        assert rel <= 1e-5, (dp, cp, fsdp, rel)

@@ -114,11 +114,20 @@ def test_torchrun_gives_the_local_launchers_losses(worlds, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "cpattn.train", "--model", "llama", "--config", "tiny", "--dp", "1", "--cp", "2",
            "--schedule", "zigzag_ring", "--steps", "4", "--seq", "64", "--batch", "4", "--lr", "3e-3", "--seed", "3",
-           "--json", str(log)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+           "--eval-every", "2", "--json", str(log)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(Path(log).read_text())["losses"] == local["losses"]
+    record = json.loads(Path(log).read_text())
+    assert record["losses"] == local["losses"]
+    # evaluation lines as they run, then the results table (not a JSON dump)
+    lines = done.stdout.splitlines()
+    evals = [line for line in lines if "held-out loss" in line]
+    assert [line.split(":")[0] for line in evals] == ["step 2", "step 4"], done.stdout
+    assert f"accuracy {record['evaluations'][1]['accuracy']:.3f} (chance 0.042)" in evals[1]
+    table = "\n".join(lines[lines.index(evals[-1]) + 1:])
+    assert "first loss" in table and "last loss" in table and "MFU" in table and "{" not in table, done.stdout
+    assert f"{local['losses'][-1]:.4f}" in table and "dp1 x cp2 zigzag_ring" in table
 
 
 # ---------------------------------------------------------------------------------- FSDP2, bf16
@@ -150,3 +159,16 @@ def test_bf16_autocast_tracks_float32(worlds, references):
     rel = ((a - b).abs() / b).max().item()
     assert 0 < rel <= 5e-3, (rel, got["losses"], references["llama"]["losses"])
     assert got["losses"][-1] < got["losses"][0]
+
+
+def test_mfu_peaks_come_from_the_data_sheet_table():
+    from cpattn.models.flops import BF16_PEAK_TFLOPS, datasheet_peak
+
+    assert datasheet_peak("NVIDIA H100 80GB HBM3") == ("H100 SXM5", 989.5e12)
+    assert datasheet_peak("NVIDIA H100 PCIe")[1] == 756.5e12
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB")[1] == 312e12
+    assert datasheet_peak("AMD Instinct MI250X/MI250") == ("MI250X (one GCD)", 191.5e12)
+    assert datasheet_peak("NVIDIA L40S") is None and datasheet_peak("Tesla V100-SXM2-16GB") is None
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    for _, device, tflops in BF16_PEAK_TFLOPS:  # the table in docs/models.md is this one
+        assert f"| {device} | {tflops:g} |" in docs, device
