@@ -6,7 +6,12 @@ A step's ``[b, L]`` batch is one packed sequence of ``b * L`` tokens (rows flatt
 for batches), over which the documents that torchtitan's per-document positions mark (a document starts
 where its position is 0, and at every row's start) become the step's document mask, causal inside each
 document: block-causal as torchtitan's FlexAttention means it. The model then runs on ``[1, b * L / cp]``
-tokens of this rank, with the step's ``ContextParallel`` view as its ``attention_masks``."""
+tokens of this rank, with the step's ``ContextParallel`` view as its ``attention_masks``.
+
+Each step writes two numbers to torchtitan's structured log (``metric_value`` records):
+``cpattn_bytes_sent``, what this rank's attention sent, and ``cpattn_bytes_expected``, what the
+schedule declares for one forward and one backward of every attention layer. They are equal unless
+something runs an attention twice (activation checkpointing that recomputes it)."""
 
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ from typing import Any, Literal
 
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.models.common.attention import BaseAttention
+from torchtitan.observability import structured_logger as sl
 from torchtitan.trainer import Trainer as TitanTrainer
 
 from ... import masks
@@ -102,6 +109,28 @@ class Trainer(TitanTrainer):
         tokens = config.training.local_batch_size * config.training.seq_len
         self.cp = ContextParallel(tokens, mask="causal", schedule=config.cpattn.schedule, group=group,
                                   backend=config.cpattn.backend, check=config.cpattn.check)
+        self.attention_shapes = [(a.n_heads, getattr(a, "n_kv_heads", None) or a.n_heads,
+                                  getattr(a, "head_dim", None) or a.dim // a.n_heads)
+                                 for _, a, _, _ in self.model_config.traverse(BaseAttention.Config)]
+        self.bytes_expected = 0
+
+    def expected_bytes(self, view: ContextParallel) -> int:
+        """Bytes this rank's attention sends in one forward and backward of every attention layer on
+        ``view``, by the schedule's declared steps (activations in the mixed-precision parameter dtype)."""
+        dtype = TORCH_DTYPE_MAP[self.config.training.mixed_precision_param]
+        total = 0
+        for heads, kv_heads, head_dim in self.attention_shapes:
+            q = torch.empty(1, view.local_len, heads, head_dim, dtype=dtype, device="meta")
+            k = torch.empty(1, view.local_len, kv_heads, head_dim, dtype=dtype, device="meta")
+            total += sum(op["bytes_sent"] for phase in view.expected_volume(q, k).values() for op in phase.values())
+        return total
+
+    def train_step(self, data_iterator) -> None:
+        self.cp.reset_comm_stats()
+        self.bytes_expected = 0
+        super().train_step(data_iterator)
+        sl.log_trace_scalar({"cpattn_bytes_sent": self.cp.comm_stats()["total"]["bytes_sent"],
+                             "cpattn_bytes_expected": self.bytes_expected})
 
     def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
                                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -118,6 +147,7 @@ class Trainer(TitanTrainer):
         if positions is None:  # one document per row
             positions = torch.arange(length, device=inputs.device).expand(b, length)
         view = self.cp.with_mask(document_mask(positions))
+        self.bytes_expected += self.expected_bytes(view)
         local_inputs, local_labels, local_positions = (view.shard(t.reshape(1, b * length), dim=1)
                                                         for t in (inputs, labels, positions))
         padding = view.positions().to(local_labels.device) < 0
