@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo test test-all test-titan lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,23 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# everything, the slow cases too; the torchtitan runs only where torchtitan is installed (make test-titan)
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m ""
+	if $(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('torchtitan') is None)"; then \
+		$(BIN)/python -m pytest -q -m ""; \
+	else \
+		$(BIN)/python -m pytest -q -m "not titan"; \
+	fi
+
+TITAN_STAMP := $(VENV)/.titan-installed
+
+$(TITAN_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[titan]"
+	touch $(TITAN_STAMP)
+
+# torchtitan trained with cpattn (the titan extra: torchtitan 0.3.0 and triton; several minutes on 2 cores)
+test-titan: $(TITAN_STAMP)
+	$(BIN)/python -m pytest -q -m titan
 
 lint: $(STAMP)
 	$(BIN)/ruff check cpattn tests

@@ -61,8 +61,8 @@ def check_config(config: TitanTrainer.Config, options: CpattnConfig) -> None:
                          ("pipeline_parallel_degree", p.pipeline_parallel_degree),
                          ("expert_parallel_degree", p.expert_parallel_degree)):
         if degree != 1:
-            raise NotImplementedError(f"--parallelism.{name} {degree}: the cpattn integration runs data (FSDP2, "
-                                      "HSDP) x context parallelism only; set it to 1")
+            raise ValueError(f"--parallelism.{name} {degree}: the cpattn integration runs data (FSDP2, HSDP) x "
+                             "context parallelism only; set it to 1")
     if p.spmd_backend != "partial_dtensor":
         raise ValueError(f"--parallelism.spmd_backend {p.spmd_backend!r}: the cpattn integration needs "
                          "'partial_dtensor' (DTensor for FSDP only; cpattn's attention takes local tensors)")
