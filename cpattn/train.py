@@ -861,7 +861,8 @@ def results_table(records: list[dict]):
         parts.append(f"{source}: {', '.join(each)}")
     against = "; ".join(parts)
     chance = records[0].get("chance")
-    held = f"held-out acc: the recall answers' accuracy (chance {chance:.3f}); " if chance else ""
+    evaluated = any(rec["evaluations"] for rec in records)
+    held = f"held-out acc: the recall answers' accuracy (chance {chance:.3f}); " if chance and evaluated else ""
     table = Table(title=f"{first['model']} {first['config']}, {what}, seq {first['seq']}, batch {first['batch']}",
                   caption=f"{held}MFU: model FLOPs per second and rank over the {against}; step time excludes "
                           f"batch preparation")
