@@ -883,7 +883,7 @@ def results_table(records: list[dict]):
         ring = by_key.get((dp, cp, "ring", fsdp, dtype))
         single = by_key.get((dp, 1, schedule, fsdp, dtype)) or next(
             (r for k, r in by_key.items() if k[0] == dp and k[1] == 1 and k[3:] == (fsdp, dtype)), None)
-        losses = rec["losses"]
+        losses = rec["losses"][rec["first_step"] - 1:]  # the steps this run trained (a resumed run: the rest)
         rows.append([run_label(rec), f"{rec['first_step']}-{rec['first_step'] + len(losses) - 1}",
                      f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
                      _held_out(rec), f"{rec['tokens_per_s']:.0f}", f"{100 * rec['mfu']:.1f}%", ratio(rec, ring),

@@ -172,3 +172,27 @@ def test_mfu_peaks_come_from_the_data_sheet_table():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
     for _, device, tflops in BF16_PEAK_TFLOPS:  # the table in docs/models.md is this one
         assert f"| {device} | {tflops:g} |" in docs, device
+
+
+def test_the_results_table_shows_what_each_run_trained():
+    from rich.console import Console
+
+    def rec(schedule: str, cp: int, first_step: int, evaluations: list) -> dict:
+        return {"config": {"model": "llama", "config": "tiny", "task": "recall", "seq": 64, "batch": 4, "dp": 1,
+                           "cp": cp, "fsdp": True, "dtype": "float32"},
+                "losses": [4.0, 3.5, 3.0, 2.5], "first_step": first_step, "evaluations": evaluations,
+                "schedule": schedule, "tokens_per_s": 100.0 * cp + (schedule == "ring"), "mfu": 0.1,
+                "peak_source": "measured float32 matmul peak", "peak_tflops_per_rank": 0.05, "chance": 1 / 24}
+
+    def text(records: list[dict]) -> str:
+        console = Console(width=200, record=True)
+        console.print(train.results_table(records))
+        return console.export_text()
+
+    resumed = text([rec("zigzag_ring", 2, 3, [])])  # resumed at step 3: its steps and losses
+    assert "3-4" in resumed and "3.0000" in resumed and "4.0000" not in resumed
+    assert "held-out" not in resumed and "x ring" not in resumed and "x cp=1" not in resumed
+    both = text([rec("ring", 1, 1, []), rec("zigzag_ring", 2, 1, [{"step": 4, "loss": 2.0, "accuracy": 0.25}]),
+                 rec("ring", 2, 1, [])])
+    assert "x ring" in both and "x cp=1" in both and "acc 0.250" in both and "chance 0.042" in both
+    assert "1-4" in both and "4.0000" in both and "0.05 TFLOP/s per rank at 1 rank, 0.05 TFLOP/s per rank at 2" in both
