@@ -607,6 +607,7 @@ def plot(results: dict | list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .cli.output import schedule_style
     from .timeline import draw, lanes
 
     results = [results] if isinstance(results, dict) else list(results)
@@ -621,7 +622,8 @@ def plot(results: dict | list[dict], path: str) -> None:
     heights = [3.6] * nrows + [0.3 * sum(1 + len(lanes(rk["transfers"])) for rk in r["extra"]["timeline"]["spans"])
                                + 1.4 for _, r in traced]
     width = max(5.0, ncols * (0.7 * most + 1.8), 10.0 if traced else 0.0)
-    fig = plt.figure(figsize=(width, sum(heights) + 0.6))
+    height = sum(heights) + 0.6
+    fig = plt.figure(figsize=(width, height))
     grid = fig.add_gridspec(len(heights), ncols, height_ratios=heights)
     first = None
     for i, res in enumerate(results):
@@ -629,7 +631,7 @@ def plot(results: dict | list[dict], path: str) -> None:
         first = first or ax
         rows = [r for r in res["rows"] if r["ok"]]
         ax.bar([r["schedule"] for r in rows], [r["speedup"] for r in rows],
-               color=[f"C{k % 10}" for k in range(len(rows))])
+               color=[schedule_style(r["schedule"])["color"] for r in rows])  # a schedule's colour in every panel
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         if i % ncols == 0:
             ax.set_ylabel("T(one process) / T(schedule)")
@@ -643,7 +645,7 @@ def plot(results: dict | list[dict], path: str) -> None:
              f"behind kernel calls: {fraction_text(tl['hidden_fraction'])} (mean over ranks)")
     fig.suptitle(f"cpattn bench: forward+backward efficiency against one process, {len(results)} "
                  f"configuration{'s' if len(results) > 1 else ''}{note}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / height))  # the top half inch is the title's
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
