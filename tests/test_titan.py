@@ -250,6 +250,7 @@ def test_every_data_parallel_degree_sees_the_same_global_batches():
     (["--cpattn.schedule", "nope"], "is unknown"),
     (["--parallelism.tensor_parallel_degree", "2"], "data (FSDP2, HSDP) x"),
     (["--parallelism.spmd_backend", "spmd_types"], "needs 'partial_dtensor'"),
+    (["--validator.enable"], "does not run it"),
 ])
 def test_settings_it_cannot_run_are_refused_when_parsed(flags, message, capsys):
     from torchtitan.config import ConfigManager

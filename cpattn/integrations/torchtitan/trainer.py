@@ -63,6 +63,9 @@ def check_config(config: TitanTrainer.Config, options: CpattnConfig) -> None:
         if degree != 1:
             raise ValueError(f"--parallelism.{name} {degree}: the cpattn integration runs data (FSDP2, HSDP) x "
                              "context parallelism only; set it to 1")
+    if config.validator.enable:
+        raise ValueError("--validator.enable: torchtitan's validator feeds the model unsharded batches without "
+                         "the step's ContextParallel view; the cpattn integration does not run it")
     if p.spmd_backend != "partial_dtensor":
         raise ValueError(f"--parallelism.spmd_backend {p.spmd_backend!r}: the cpattn integration needs "
                          "'partial_dtensor' (DTensor for FSDP only; cpattn's attention takes local tensors)")
@@ -150,7 +153,7 @@ class Trainer(TitanTrainer):
         self.bytes_expected += self.expected_bytes(view)
         local_inputs, local_labels, local_positions = (view.shard(t.reshape(1, b * length), dim=1)
                                                         for t in (inputs, labels, positions))
-        padding = view.positions().to(local_labels.device) < 0
-        local_labels[:, padding] = IGNORE_INDEX
+        padding = view.positions() < 0  # on the host
         self.ntokens_seen += int((~padding).sum())
+        local_labels[:, padding.to(local_labels.device)] = IGNORE_INDEX
         return local_inputs, local_labels, {"positions": local_positions, "attention_masks": view}
