@@ -393,7 +393,8 @@ def predict(result: dict, profile=None) -> dict:
     """Add the cost model's predictions to a :func:`run` result (in place; also returned).
 
     Each row gains ``pred_fwd_s``, ``pred_fwd_bwd_s`` and the relative errors ``pred_fwd_error`` and
-    ``pred_error`` ((predicted - measured) / measured), estimated on :func:`emulated_topology` for the
+    ``pred_error`` ((predicted - measured) / measured), and ``extra["prediction_terms"]`` (per phase,
+    ``Estimate.terms()``: kernels, merge, launch, exposed_comm seconds), estimated on :func:`emulated_topology` for the
     run's world size, emulated nodes, cores and threads per rank, from ``profile`` (a
     :class:`cpattn.cost.Profile`; None = the profile at the default location, else conservative
     defaults); ``ultra`` from its plan for that topology (on a CPU, the plan its ranks ran). A schedule
@@ -411,11 +412,13 @@ def predict(result: dict, profile=None) -> dict:
         if not row["ok"]:
             continue
         try:
-            fwd = estimate(row["schedule"], problem, topo, "forward").total
-            both = estimate(row["schedule"], problem, topo, "forward+backward").total
+            est_fwd = estimate(row["schedule"], problem, topo, "forward")
+            est_both = estimate(row["schedule"], problem, topo, "forward+backward")
         except (NotImplementedError, ValueError) as exc:
             row["extra"]["prediction"] = str(exc)
             continue
+        fwd, both = est_fwd.total, est_both.total
+        row["extra"]["prediction_terms"] = {"forward": est_fwd.terms(), "forward+backward": est_both.terms()}
         row["pred_fwd_s"], row["pred_fwd_bwd_s"] = fwd, both
         row["pred_fwd_error"] = (fwd - row["fwd_s"]) / row["fwd_s"]
         row["pred_error"] = (both - row["fwd_bwd_s"]) / row["fwd_bwd_s"]
@@ -519,6 +522,42 @@ def render(result: dict, width: int | None = None):
         rows.append(cells)
     return table(cols, rows, title=title, caption=caption, width=width,
                  everything="--json PATH has every figure")
+
+
+def measured_kernel_s(row: dict) -> float:
+    """Seconds the busiest rank spent in kernel calls during the row's stamped forward+backward step
+    (``bench --timeline``), or NaN without a timeline."""
+    ranks = row["extra"].get("timeline", {}).get("spans")
+    if not ranks:
+        return float("nan")
+    return max(sum(s["t1"] - s["t0"] for s in rk["compute"]) for rk in ranks) / 1e9
+
+
+def render_breakdown(result: dict, width: int | None = None):
+    """The prediction's terms next to the measured forward+backward time (after :func:`predict`): per
+    schedule, predicted kernels, merges, launch overheads and exposed communication (ms), their sum,
+    the measured time and the error; with a timeline (``bench --timeline``), also the busiest rank's
+    measured kernel time in its stamped step, to set against the predicted kernels."""
+    from .cli.output import Column, table
+
+    rows = [r for r in result["rows"] if r["ok"] and "prediction_terms" in r["extra"]]
+    traced = any("timeline" in r["extra"] for r in rows)
+    headers = ["schedule", "kernels", *(["meas kernels"] if traced else []), "merges", "launch", "exposed comm",
+               "predicted", "measured", "pred err"]
+    drop = {"launch": 1, "meas kernels": 2, "merges": 3}
+    cols = [Column(h, "left" if h == "schedule" else "right", drop=drop.get(h, 0)) for h in headers]
+    cells = []
+    for r in rows:
+        t = r["extra"]["prediction_terms"]["forward+backward"]
+        cells.append([r["schedule"], f"{t['kernels'] * 1e3:.1f}",
+                      *([f"{measured_kernel_s(r) * 1e3:.1f}"] if traced else []),
+                      f"{t['merge'] * 1e3:.1f}", f"{t['launch'] * 1e3:.1f}", f"{t['exposed_comm'] * 1e3:.1f}",
+                      f"{r['pred_fwd_bwd_s'] * 1e3:.1f}", f"{r['fwd_bwd_s'] * 1e3:.1f}", f"{r['pred_error']:+.0%}"])
+    caption = ("forward+backward, ms; predicted = kernels + merges + launch + exposed comm (the cost model's terms, "
+               "busiest rank per step)")
+    if traced:
+        caption += "; meas kernels = the busiest rank's kernel calls in one stamped step"
+    return table(cols, cells, title="prediction breakdown", caption=caption, width=width)
 
 
 def flex_note(flex: dict, threads: int) -> str:
@@ -651,5 +690,5 @@ def plot(results: dict | list[dict], path: str) -> None:
 
 
 __all__ = ["BenchConfig", "BenchRow", "DROP_ORDER", "PLOT_TIMELINES", "config_label", "flex_mask_mod", "flops",
-           "is_masked", "mask_efficiency", "plot", "predict", "prediction_summary", "render", "run", "save_json",
-           "trace_name", "write_traces"]
+           "is_masked", "mask_efficiency", "measured_kernel_s", "plot", "predict", "prediction_summary", "render",
+           "render_breakdown", "run", "save_json", "trace_name", "write_traces"]

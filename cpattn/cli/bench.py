@@ -132,6 +132,8 @@ def run(args) -> int:
             for path in bench.write_traces(result, args.trace):
                 console.print(f"wrote {path}")
         out.print(bench.render(result))
+        if args.predict:
+            out.print(bench.render_breakdown(result))
         results.append(result)
     if args.predict:
         summary = bench.prediction_summary(results)

@@ -13,8 +13,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                      "~/.cache/cpattn/profile.json)")
     c.add_argument("--quick", action="store_true", help="tiny sizes, one repetition (a smoke test, not a profile "
                                                         "to rely on)")
+    c.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="calibrate N times back to back, print how much they differ on every figure, and write "
+                        "the median of each (default 1)")
     c.set_defaults(func=run)
     return c
+
+
+def _spread_table(spread: dict, limit: float):
+    from rich.table import Table
+
+    from ..lab.calibrate import is_rate
+
+    t = Table(title="difference between the calibrations (rates: largest / smallest - 1)")
+    for col in ("figure", "smallest", "largest", "difference"):
+        t.add_column(col, justify="left" if col == "figure" else "right")
+    for name, (lo, hi, diff) in spread.items():
+        if name.endswith(" latency"):
+            cells = (f"{lo * 1e6:.1f} us", f"{hi * 1e6:.1f} us", f"{diff * 1e6:.1f} us")
+        elif name == "overlap":
+            cells = (f"{lo:.0%}", f"{hi:.0%}", f"{diff * 100:.0f} points")
+        else:
+            unit = 1e9
+            cells = (f"{lo / unit:.3g}", f"{hi / unit:.3g}", f"{diff:.1%}")
+        if is_rate(name) and diff > limit:
+            cells = (*cells[:2], f"[red]{cells[2]}[/red]")
+        t.add_row(name, *cells)
+    return t
 
 
 def run(args) -> int:
@@ -24,20 +49,33 @@ def run(args) -> int:
     from ..cost import profile
     from ..lab import calibrate
 
+    if args.repeat < 1:
+        raise SystemExit(f"cpattn calibrate: --repeat must be at least 1, got {args.repeat}")
     settings = calibrate.QUICK if args.quick else calibrate.Settings()
+    profiles, warnings = [], []
     with Progress(TextColumn("calibrate: {task.description}"), BarColumn(), TimeElapsedColumn(), console=stderr(),
                   transient=True) as progress:
-        task = progress.add_task("starting a local world", total=None)
+        for n in range(args.repeat):
+            task = progress.add_task("starting a local world", total=None)
+            where = f"{n + 1}/{args.repeat} " if args.repeat > 1 else ""
 
-        def update(what: str, done: int, total: int) -> None:
-            progress.update(task, description=what, completed=done, total=total)
+            def update(what: str, done: int, total: int, task=task, where=where) -> None:
+                progress.update(task, description=where + what, completed=done, total=total)
 
-        prof = calibrate.calibrate(settings, progress=update)
+            watch = calibrate.Interference()
+            profiles.append(calibrate.calibrate(settings, progress=update, interference=watch))
+            if watch.warning():
+                warnings.append(f"calibration {n + 1}: {watch.warning()}" if args.repeat > 1 else watch.warning())
+    prof = calibrate.combine(profiles) if len(profiles) > 1 else profiles[0]
     path = profile.save(prof, args.profile)
-    out = stdout()
+    out, err = stdout(), stderr()
     out.print(f"{prof.ranks} ranks x {prof.threads_per_rank} threads on {prof.cores} cores; kernel shape "
-              f"{prof.host.get('kernel_shape', '')}")
-    t = Table(title="kernel throughput, GFLOP/s per rank")
+              f"{prof.host.get('kernel_shape', '')}; other processes took "
+              + ", ".join(f"{float(p.host.get('interference', 'nan')):.0%}" for p in profiles)
+              + " of the cores while it measured (load average at the start "
+              + ", ".join(p.host.get("load_before", "?") for p in profiles) + ")")
+    t = Table(title="kernel throughput, GFLOP/s per rank" + (" (median of the calibrations)" if len(profiles) > 1
+                                                               else ""))
     for col in ("kind", "block", "forward", "backward"):
         t.add_column(col, justify="left" if col == "kind" else "right")
     rates = {(p.kind, p.q_len, p.phase): p.flop_per_s for p in prof.kernels}
@@ -53,5 +91,16 @@ def run(args) -> int:
     out.print(t)
     out.print(f"epilogue memory bandwidth {prof.memory_bandwidth / 1e9:.1f} GB/s; a transfer hides "
               f"{prof.overlap:.0%} behind a concurrent kernel")
+    if len(profiles) > 1:
+        spread = calibrate.spread(profiles)
+        limit = 0.05
+        out.print(_spread_table(spread, limit))
+        worst = max(((d, name) for name, (_, _, d) in spread.items() if calibrate.is_rate(name)), default=None)
+        if worst is not None:
+            out.print(f"largest difference between the calibrations: {worst[0]:.1%} ({worst[1]}); "
+                      f"{sum(d > limit for name, (_, _, d) in spread.items() if calibrate.is_rate(name))} rates "
+                      f"differ by more than {limit:.0%}")
+    for w in warnings:
+        err.print(f"[yellow]warning:[/yellow] {w}")
     out.print(f"wrote {path}")
     return 0

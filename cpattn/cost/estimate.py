@@ -51,7 +51,11 @@ class Estimate:
     only). ``wire_bytes_per_rank``: bytes the busiest rank sends on the wire, forwarding for others
     included, under the topology's collective algorithms (``cpattn.core.steps.wire``): the payload for
     point-to-point traffic, all-gathers, reduce-scatters and reduces, more where broadcasts are
-    forwarded; a tree all-reduce sends about 2 N per rank where the ring sends 2 (P-1) N / P."""
+    forwarded; a tree all-reduce sends about 2 N per rank where the ring sends 2 (P-1) N / P.
+    ``merge`` and ``launch``: the parts of ``compute`` spent in kernel epilogues (merging a block's
+    result into the accumulators) and in per-call launch overheads (seconds; the rest of ``compute``
+    is the kernels' FLOPs at their rates); a planned schedule leaves them 0 (its compute lane
+    includes its merges)."""
 
     total: float
     compute: float
@@ -63,6 +67,14 @@ class Estimate:
     phase: str = "forward+backward"
     flops: float = 0.0
     wire_bytes_per_rank: int = 0
+    merge: float = 0.0
+    launch: float = 0.0
+
+    def terms(self) -> dict[str, float]:
+        """The estimate's additive terms (seconds): ``kernels`` (FLOPs at the kernel rates), ``merge``,
+        ``launch`` and ``exposed_comm``; they sum to ``total``."""
+        return {"kernels": self.compute - self.merge - self.launch, "merge": self.merge, "launch": self.launch,
+                "exposed_comm": self.exposed_comm}
 
     def tflops_per_rank(self, world: int) -> float:
         """Achieved attention TFLOP/s per rank (FLOPs / total / world / 1e12)."""
@@ -224,21 +236,28 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
         return _planned(sched, problem, topology, phase)
     device = topology.device
     times: dict = {}
-    total = compute = comm = 0.0
+    total = compute = comm = merge = launch = 0.0
     sent, wired, peak = 0, 0, 0
     for ph in split_phase(phase):
         steps = sched.steps(problem, ph, topology)
         for st in steps:
-            per_rank = []
+            per_rank, parts = [], []
             for w, ranks in st.work:
-                t = 0.0
+                t = epilogue = calls_n = 0.0
                 for kernel, calls in w:
                     key = (kernel, ph)
                     if key not in times:
                         times[key] = device.kernel_time(kernel, problem, ph)
                     t += calls * times[key]
+                    epilogue += calls * kernel.epilogue_bytes(problem, ph) / device.memory_bandwidth
+                    calls_n += calls
                 per_rank.append((t, ranks))
+                parts.append((t, epilogue, calls_n * device.launch))
             c = shared_compute(per_rank, topology)
+            busiest = max(parts, default=(0.0, 0.0, 0.0))
+            if busiest[0] > 0:  # the busiest rank's split, scaled to the step's (shared-core) compute time
+                merge += c * busiest[1] / busiest[0]
+                launch += c * busiest[2] / busiest[0]
             split = [op_times(op, topology) for op in st.comm]
             m, blocking = sum(t for t, _ in split), sum(t for _, t in split)
             total += c + m - (topology.overlap * min(c, m) if st.overlap else 0.0) + blocking
@@ -248,7 +267,7 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
         wired += busiest_wire_sent(steps, topology)
         peak = max(peak, resident_bytes(problem, ph) + max((st.live_bytes for st in steps), default=0))
     return Estimate(total, compute, comm, total - compute, sent, peak, sched.name, phase, problem.flops(phase),
-                    wired)
+                    wired, merge, launch)
 
 
 def shared_compute(per_rank: list[tuple[float, int]], topology: Topology) -> float:

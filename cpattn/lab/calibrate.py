@@ -49,9 +49,13 @@ class Settings:
     kernels of at most ``512 x 512`` pairs and stacked pieces (a few milliseconds each, so one busy
     moment of the other rank moved a median of 3 by 30%; longer runs of the large kernels measure a
     sustained rate below the one `cpattn bench` sees, so they keep ``reps``). The kernel shape is
-    ``[batch, n, heads, head_dim]`` with ``kv_heads`` key/value heads in ``dtype``."""
+    ``[batch, n, heads, head_dim]`` with ``kv_heads`` key/value heads in ``dtype``; blocks larger than
+    ``large_side`` run on fewer heads (:func:`kernel_heads`). The sizes reach the blocks that runs use
+    (a rank's whole shard at 8K-16K tokens on 2 ranks, ``ulysses``' whole sequence): a causal block
+    gains rate with size (its diagonal tiles waste less), and the rate of the largest measured block
+    is what every larger one gets."""
 
-    sizes: tuple[int, ...] = (256, 512, 1024, 2048)
+    sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     partial_sizes: tuple[int, ...] = (256, 512)
     stacked_sizes: tuple[int, ...] = (4, 16, 64)
     stacked_rows: int = 2048
@@ -64,6 +68,7 @@ class Settings:
     head_dim: int = 64
     dtype: str = "float32"
     ranks: int = 2
+    large_side: int = 2048
 
 
 QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), stacked_sizes=(16,), stacked_rows=64,
@@ -96,11 +101,27 @@ def _inputs(s: Settings, n: int):
     return q, k, v
 
 
+def kernel_heads(s: Settings, n: int) -> tuple[int, int]:
+    """(query heads, kv heads) of the calibration kernel of side ``n``: the settings' up to
+    ``s.large_side``; above it fewer (at least 1), in proportion to ``(large_side / n)^2``, so that a
+    call of a large block costs about what one of ``large_side`` does (a rate is per FLOP, and a
+    CPU kernel's rate per head does not depend on the head count)."""
+    if n <= s.large_side:
+        return s.heads, s.kv_heads
+    shrink = (n / s.large_side) ** 2
+    kv = max(1, round(s.kv_heads / shrink))
+    heads = max(kv, round(s.heads / shrink) // kv * kv)
+    return heads, kv
+
+
 def rank_kernels(settings: dict, kind: str, n: int, pieces: int = 1) -> dict[str, float]:
-    """On every rank: median seconds of one forward and one backward ``kind`` kernel of side ``n``, or
-    of one stacked call of ``pieces`` such blocks (``kernels.forward_stacked``) when ``pieces > 1``."""
+    """On every rank: median seconds of one forward and one backward ``kind`` kernel of side ``n``
+    (on :func:`kernel_heads` heads), or of one stacked call of ``pieces`` such blocks
+    (``kernels.forward_stacked``) when ``pieces > 1``."""
 
     s = Settings(**settings)
+    heads, kv_heads = kernel_heads(s, n)
+    s = replace(s, heads=heads, kv_heads=kv_heads)
     comm = _comm()
     q, k, v = _inputs(replace(s, batch=s.batch * pieces), n)
     block = BlockKind(kind)
@@ -219,12 +240,64 @@ def fit_link(op: str, ranks: int, points: list[tuple[int, float]]) -> Link:
     return Link(float(alpha), 1.0 / float(inv_bw))
 
 
+class Interference:
+    """How much of the machine other processes used while calibration measured: CPU seconds of the
+    whole machine minus those of this process and its children, over the wall time and the cores
+    (0 = nothing else ran, 1 = every core busy with other work), and the 1-minute load average at the
+    start. Call :meth:`start` once the measuring processes exist and :meth:`stop` before they exit."""
+
+    #: the share of the cores other work may take before :attr:`busy` says the machine was busy
+    LIMIT = 0.1
+
+    def __init__(self) -> None:
+        self.load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        self.share = float("nan")
+
+    @staticmethod
+    def _cpu() -> tuple[float, float, float]:
+        import psutil
+
+        me = psutil.Process()
+        own = 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:  # a child that just exited
+                continue
+            own += t.user + t.system
+        total = psutil.cpu_times()
+        return time.perf_counter(), total.user + total.system + getattr(total, "nice", 0.0), own
+
+    def start(self) -> None:
+        self._t0 = self._cpu()
+
+    def stop(self) -> None:
+        (w0, all0, own0), (w1, all1, own1) = self._t0, self._cpu()
+        cores = os.cpu_count() or 1
+        self.share = max(0.0, ((all1 - all0) - (own1 - own0)) / max(1e-9, (w1 - w0) * cores))
+
+    @property
+    def busy(self) -> bool:
+        return self.share > self.LIMIT
+
+    def warning(self) -> str | None:
+        """A sentence for the user when other work took more than :attr:`LIMIT` of the cores."""
+        if not self.busy:
+            return None
+        return (f"the machine was busy while calibration measured: other processes used {self.share:.0%} of the "
+                f"cores (load average {self.load_before:.2f} at the start); the rates are low and predictions will "
+                "be high: calibrate again on an idle machine")
+
+
 def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int], None] | None = None,
-              timeout: float = 300.0) -> Profile:
+              timeout: float = 300.0, interference: Interference | None = None) -> Profile:
     """Measure this machine on a ``settings.ranks``-rank local world and return a :class:`Profile`.
-    ``progress(what, done, total)`` is called before each measurement and once at the end."""
+    ``progress(what, done, total)`` is called before each measurement and once at the end.
+    ``interference`` (an :class:`Interference`) measures what other processes took meanwhile; its
+    figures also go to the profile's ``host`` (``load_before``, ``interference``)."""
     import psutil
 
+    watch = interference or Interference()
 
     say = progress or (lambda what, done, total: None)
     cores = os.cpu_count() or 1
@@ -248,15 +321,17 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
                       settings.kv_heads, settings.head_dim, settings.dtype)
     points: list[RatePoint] = []
     with LocalWorld(settings.ranks, threads=threads) as w:
+        watch.start()
         for kind, n, pieces in kernel_jobs:
             say(f"kernel {kind} {n}x{n}" + (f" x {pieces} stacked" if pieces > 1 else ""), done, total)
             res = checked(w.run(rank_kernels, timeout=timeout, settings=cfg, kind=kind, n=n, pieces=pieces))
-            kernel = Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n)
+            heads, kv_heads = kernel_heads(settings, n)
+            kernel = Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n, heads, kv_heads)
             for phase in ("forward", "backward"):
                 seconds = max(r[phase] for r in res)  # per piece: the rate of one block of a stacked call
                 points.append(RatePoint(phase, kind, n, n, pieces * kernel.flops(problem, phase) / seconds))
             done += 1
-        merge_n = max(settings.sizes)
+        merge_n = min(max(settings.sizes), settings.large_side)
         say("merge epilogue", done, total)
         merge_s = max(checked(w.run(rank_merge, timeout=timeout, settings=cfg, n=merge_n)))
         memory_bandwidth = Kernel("full", merge_n, merge_n, 0).epilogue_bytes(problem, "forward") / merge_s
@@ -268,18 +343,73 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
                                                             nbytes=nbytes)))))
             done += 1
         say("overlap of a transfer and a kernel", done, total)
-        ov = checked(w.run(rank_overlap, timeout=timeout, settings=cfg, n=settings.sizes[len(settings.sizes) // 2],
+        overlap_n = min(settings.sizes[len(settings.sizes) // 2], settings.large_side)
+        ov = checked(w.run(rank_overlap, timeout=timeout, settings=cfg, n=overlap_n,
                            nbytes=max(settings.message_bytes)))
         tc, tm, tb = (max(r[key] for r in ov) for key in ("compute", "comm", "both"))
         overlap = min(1.0, max(0.0, (tc + tm - tb) / min(tc, tm)))
         done += 1
+        watch.stop()
     say("done", done, total)
     links = {op: fit_link(op, settings.ranks, pts) for op, pts in measured.items()}
     host = {"torch": torch.__version__, "platform": platform.platform(), "machine": platform.machine(),
             "kernel_shape": f"b={settings.batch} h={settings.heads}:{settings.kv_heads} d={settings.head_dim} "
-                            f"{settings.dtype}"}
+                            f"{settings.dtype}",
+            "load_before": f"{watch.load_before:.2f}", "interference": f"{watch.share:.3f}"}
     return Profile(tuple(points), links, memory_bandwidth, overlap, cores, settings.ranks, threads,
                    int(psutil.virtual_memory().total), host)
 
 
-__all__ = ["CALIBRATED_OPS", "QUICK", "Settings", "calibrate", "fit_link"]
+def rates(profile: Profile) -> dict[str, float]:
+    """Every figure of ``profile`` the estimates use, by name: kernel rates (FLOP/s, ``"forward causal
+    2048x2048"``), per-op link bandwidths (bytes/s, ``"sendrecv bandwidth"``) and latencies (seconds,
+    ``"sendrecv latency"``), ``"memory bandwidth"`` (bytes/s) and ``"overlap"`` (a fraction)."""
+    out = {f"{p.phase} {p.kind} {p.q_len}x{p.kv_len}": p.flop_per_s for p in profile.kernels}
+    for op, link in profile.links.items():
+        out[f"{op} bandwidth"] = link.bandwidth
+        out[f"{op} latency"] = link.latency
+    out["memory bandwidth"] = profile.memory_bandwidth
+    out["overlap"] = profile.overlap
+    return out
+
+
+def is_rate(name: str) -> bool:
+    """Whether the figure ``name`` (see :func:`rates`) is a rate, compared between calibrations by its
+    relative difference; latencies (a few to hundreds of microseconds, often fitted to 0) and the
+    overlap fraction are compared by their absolute difference."""
+    return not (name.endswith(" latency") or name == "overlap")
+
+
+def spread(profiles: list[Profile]) -> dict[str, tuple[float, float, float]]:
+    """``{figure: (smallest, largest, difference)}`` over ``profiles`` for every figure of :func:`rates`
+    they all have; the difference is ``largest / smallest - 1`` for a rate (:func:`is_rate`) and
+    ``largest - smallest`` otherwise."""
+    each = [rates(p) for p in profiles]
+    out = {}
+    for name in each[0]:
+        values = [r[name] for r in each if name in r]
+        if len(values) != len(each):
+            continue
+        lo, hi = min(values), max(values)
+        out[name] = (lo, hi, (hi / lo - 1.0 if lo > 0 else float("inf")) if is_rate(name) else hi - lo)
+    return out
+
+
+def combine(profiles: list[Profile]) -> Profile:
+    """One profile from several calibrations of the same machine: the median of each figure (kernel
+    rates, link latency and bandwidth, memory bandwidth, overlap); the rest from the last."""
+    last = profiles[-1]
+    med = statistics.median
+    kernels = tuple(replace(p, flop_per_s=med(q.flop_per_s for prof in profiles for q in prof.kernels
+                                              if (q.phase, q.kind, q.q_len, q.kv_len) == (p.phase, p.kind, p.q_len,
+                                                                                            p.kv_len)))
+                    for p in last.kernels)
+    links = {op: Link(med(pr.links[op].latency for pr in profiles), med(pr.links[op].bandwidth for pr in profiles))
+             for op in last.links}
+    return replace(last, kernels=kernels, links=links,
+                   memory_bandwidth=med(p.memory_bandwidth for p in profiles),
+                   overlap=med(p.overlap for p in profiles))
+
+
+__all__ = ["CALIBRATED_OPS", "QUICK", "Interference", "Settings", "calibrate", "combine", "fit_link", "is_rate",
+           "kernel_heads", "rates", "spread"]

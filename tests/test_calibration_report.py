@@ -1,0 +1,88 @@
+"""The prediction's terms (``Estimate.terms``, ``bench --predict``'s breakdown) and calibration's own
+report: every figure it measured, the difference between calibrations, and the busy-machine check."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+from rich.console import Console
+
+from cpattn import bench
+from cpattn.core.topology import Link, RatePoint
+from cpattn.cost import Problem, estimate, presets, profile
+from cpattn.lab import calibrate
+
+
+def _profile(scale: float = 1.0, latency: float = 5e-5) -> profile.Profile:
+    pts = tuple(RatePoint(ph, kind, n, n, scale * 1e10 * (i + 1)) for i, (ph, kind, n) in enumerate(
+        (ph, kind, n) for ph in ("forward", "backward") for kind in ("full", "causal") for n in (256, 1024)))
+    return profile.Profile(pts, {"sendrecv": Link(latency, scale * 2e9), "all_gather": Link(1e-4, 5e8)},
+                           8e9 * scale, 0.4, 2, 2, 1, 16 * 2**30, {"torch": "x"})
+
+
+@pytest.mark.parametrize("name", ["ring", "zigzag_ring", "allgather", "ringx4o", "ulysses"])
+def test_terms_add_up_to_the_estimate(name):
+    topo = presets.local(2, _profile())
+    est = estimate(name, Problem(4096, 2, "causal", dtype="float32"), topo)
+    terms = est.terms()
+    assert sum(terms.values()) == pytest.approx(est.total)
+    assert terms["merge"] > 0 and terms["kernels"] > terms["merge"]
+    assert terms["launch"] == 0.0  # calibrated CPU devices charge no launch
+    # the merges are the epilogue bytes at the memory bandwidth: twice the bandwidth, half the merge time
+    faster = dataclasses.replace(_profile(), memory_bandwidth=16e9)
+    assert estimate(name, Problem(4096, 2, "causal", dtype="float32"),
+                    presets.local(2, faster)).merge == pytest.approx(est.merge / 2)
+
+
+def test_launch_overheads_are_counted_per_call():
+    topo = presets.preset("dgx-h100", 8)
+    est = estimate("ring", Problem(1 << 16, 8, "full", dtype="bfloat16"), topo, "forward")
+    assert est.launch == pytest.approx(8 * topo.device.launch)  # 8 steps, one kernel call each
+
+
+def test_calibration_differences_and_median():
+    a, b = _profile(1.0, latency=5e-5), _profile(1.1, latency=0.0)
+    rates = calibrate.rates(a)
+    assert rates["forward full 256x256"] == 1e10 and rates["sendrecv bandwidth"] == 2e9
+    assert rates["memory bandwidth"] == 8e9 and rates["overlap"] == 0.4 and rates["sendrecv latency"] == 5e-5
+    spread = calibrate.spread([a, b])
+    assert set(spread) == set(rates)
+    assert spread["forward full 256x256"][2] == pytest.approx(0.1)
+    assert spread["sendrecv latency"] == (0.0, 5e-5, 5e-5)  # latencies: an absolute difference
+    assert spread["overlap"][2] == 0.0
+    mid = calibrate.combine([a, b, _profile(1.05)])
+    assert calibrate.rates(mid)["backward causal 1024x1024"] == pytest.approx(1.05 * 8e10)
+    assert mid.links["sendrecv"] == Link(5e-5, 1.05 * 2e9)
+
+
+def test_a_busy_machine_is_reported():
+    watch = calibrate.Interference()
+    watch.start()
+    sum(i * i for i in range(200_000))
+    watch.stop()
+    assert 0.0 <= watch.share < float("inf")
+    watch.share = 0.0
+    assert not watch.busy and watch.warning() is None
+    watch.share = 0.5
+    assert watch.busy and "50% of the cores" in watch.warning() and "idle machine" in watch.warning()
+
+
+def test_bench_breakdown_shows_every_term_next_to_the_measured_time(tmp_path, monkeypatch):
+    monkeypatch.setenv(profile.PROFILE_ENV, str(tmp_path / "none.json"))
+    cfg = bench.BenchConfig(world=2, seq=2048, mask="causal")
+    rows = [dataclasses.asdict(bench.BenchRow(n, fwd_s=0.1, fwd_bwd_s=0.3)) for n in ("ring", "zigzag_ring")]
+    result = bench.predict({"config": dataclasses.asdict(cfg), "rows": rows, "baseline": {},
+                            "environment": {"cores": 2, "threads_per_rank": 1}})
+    terms = result["rows"][0]["extra"]["prediction_terms"]["forward+backward"]
+    assert sum(terms.values()) == pytest.approx(result["rows"][0]["pred_fwd_bwd_s"])
+    text = io.StringIO()
+    Console(file=text, width=100).print(bench.render_breakdown(result, width=100))
+    shown = text.getvalue()
+    for header in ("kernels", "merges", "exposed comm", "predicted", "measured", "pred err"):
+        assert header in shown
+    assert f"{terms['kernels'] * 1e3:.1f}" in shown and "300.0" in shown
+    narrow = io.StringIO()
+    Console(file=narrow, width=60).print(bench.render_breakdown(result, width=60))
+    assert max(len(line) for line in narrow.getvalue().splitlines()) <= 60
