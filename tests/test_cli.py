@@ -63,11 +63,16 @@ def _last(value: str) -> str:
     return value.split(",")[-1]
 
 
+def _last_mask(value: str) -> str:
+    """The last of ``--mask``'s names; a JSON spec (whose commas separate its fields) as it is."""
+    return value if value.lstrip().startswith(("{", "[")) else _last(value)
+
+
 # How each command shrinks: an option -> a function of its README value (None: drop the option), and the
 # options added when the README command leaves them out. Sizes become tiny; every list option runs one
 # value, so a command starts at most one or two small process worlds.
 SHRINK = {
-    "bench": ({"--world": lambda v: "2", "--seq": lambda v: "256", "--mask": _last, "--layout": _last,
+    "bench": ({"--world": lambda v: "2", "--seq": lambda v: "256", "--mask": _last_mask, "--layout": _last,
                "--iters": lambda v: "1", "--warmup": lambda v: "0"},
               {"--seq": "256", "--heads": "2", "--kv-heads": "1", "--head-dim": "16", "--iters": "1",
                "--warmup": "0", "--schedules": "ring,zigzag_ring"}),
@@ -91,7 +96,7 @@ SHRINK = {
 
 def shrink(argv: list[str]) -> list[str]:
     """A README command at small sizes (outputs stay relative: the test runs in a temporary directory).
-    A JSON mask's ``block_size`` and ``window`` shrink with ``--seq``."""
+    A JSON mask's ``block_size``, ``window`` and document ``lengths`` shrink with ``--seq``."""
     sub = argv[2:3] if argv[1] == "reproduce" else []  # a command with subcommands: keyed by both
     command, flags = argv[1], _flags(argv[2 + len(sub):])
     change, add = SHRINK[" ".join([command, *sub])]
@@ -107,11 +112,17 @@ def shrink(argv: list[str]) -> list[str]:
         out = [(f, v) for f, v in out if f != "--world"]
     out += [(f, v) for f, v in add.items() if f not in given]
     old_seq, new_seq = given.get("--seq"), dict(out).get("--seq")
+    if old_seq is None and new_seq:  # the command's default length
+        default = getattr(cli.build_parser().parse_args([command, *sub]), "seq", None)
+        old_seq = str(default[0] if isinstance(default, list) else default) if default else None
     if old_seq and new_seq and "--mask" in given and given["--mask"].lstrip().startswith("{"):
         spec = json.loads(given["--mask"])
         for key in ("block_size", "window"):
             if key in spec:
                 spec[key] = max(1, spec[key] * int(new_seq) // int(old_seq))
+        if "lengths" in spec:  # documents: the same proportions, adding up to the new length
+            lengths = [max(1, n * int(new_seq) // int(old_seq)) for n in spec["lengths"]]
+            spec["lengths"] = [*lengths[:-1], int(new_seq) - sum(lengths[:-1])]
         out = [(f, json.dumps(spec) if f == "--mask" else v) for f, v in out]
     return [command, *sub, *(tok for f, v in out for tok in ((f,) if v is None else (f, v)))]
 
