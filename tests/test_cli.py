@@ -24,10 +24,12 @@ def readme_commands() -> list[list[str]]:
     block's comments) and code-block lines starting with ``cpattn``; optional parts in ``[...]`` are
     taken in full. Each as its argv, in order, without repeats."""
     text = README.read_text()
+    fenced = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```[^\n]*$", flags=re.S | re.M)  # indented in lists too
     lines = []
-    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M):
+    for block in fenced.findall(text):
         lines += [ln.strip() for ln in block.splitlines() if re.match(r"\s*\$?\s*cpattn(\s|$)", ln)]
-    prose = re.sub(r"^```[^\n]*$", "", text, flags=re.M)
+        lines += [span for span in re.findall(r"`([^`]+)`", block) if re.match(r"cpattn(\s|$)", span)]
+    prose = fenced.sub("", text)
     lines += [span for span in re.findall(r"`([^`]+)`", prose) if re.match(r"cpattn(\s|$)", span)]
     out: list[list[str]] = []
     for line in lines:

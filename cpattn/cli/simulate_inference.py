@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from .output import stderr, stdout
+from .output import Column, stderr, stdout, table
 
 #: the context of the published prefill figures (Meta's "1M")
 MILLION = 1 << 20
@@ -54,8 +54,6 @@ def models() -> dict:
 
 def run_inference(args) -> int:
     from dataclasses import replace
-
-    from rich.table import Table
 
     from .. import cost, schedules
     from ..core.masks import causal
@@ -123,29 +121,29 @@ def run_inference(args) -> int:
         return 0
     title = (f"{name} at {seq} tokens, tp {tp} (dense layers at {100 * efficiency:.0f}% of {peak / 1e12:.4g} "
              "TFLOP/s)")
-    t = Table(title=f"cpattn simulate: {args.topology}, prefill of {title}",
-              caption="efficiency = T(cp=1) / (cp x T(cp)), the same schedule; MFU counts 2N per token and the "
-                      "causal attention pairs")
-    for col in ("GPUs", "cp x tp", "schedule", "prefill s", "attention s", "dense s", "TP comm s", "MFU", "efficiency",
-                "KV GiB/GPU", "note"):
-        t.add_column(col, justify="left" if col in ("schedule", "note") else "right")
-    for r in prefill:
-        t.add_row(str(r["gpus"]), f"{r['cp']} x {r['tp']}", r["schedule"], f"{r['total']:.4g}", f"{r['attention']:.4g}",
-                  f"{r['dense']:.4g}", f"{r['tp_comm']:.3g}", f"{100 * r['mfu']:.1f}%", f"{100 * r['efficiency']:.1f}%",
-                  f"{r['kv_bytes'] / 2**30:.3g}", r["note"])
+    # columns leave a narrow terminal in this order (drop 1 first); GPUs, schedule, times and MFU stay
+    drop = {"dense s": 1, "TP comm s": 2, "attention s": 3, "cp x tp": 4, "KV GiB/GPU": 5, "efficiency": 6}
+    cols = [Column(c, "left" if c in ("schedule", "note") else "right", drop=drop.get(c, 0), wrap=c == "note")
+            for c in ("GPUs", "cp x tp", "schedule", "prefill s", "attention s", "dense s", "TP comm s", "MFU",
+                      "efficiency", "KV GiB/GPU", "note")]
+    rows = [[str(r["gpus"]), f"{r['cp']} x {r['tp']}", r["schedule"], f"{r['total']:.4g}", f"{r['attention']:.4g}",
+             f"{r['dense']:.4g}", f"{r['tp_comm']:.3g}", f"{100 * r['mfu']:.1f}%", f"{100 * r['efficiency']:.1f}%",
+             f"{r['kv_bytes'] / 2**30:.3g}", r["note"]] for r in prefill]
     out = stdout()
-    out.print(t)
-    d = Table(title=f"cpattn simulate: {args.topology}, decoding {args.batch} row(s) of {title}",
-              caption="per generated token; weights and cache read once from memory; merge = the decode merge's "
-                      "collectives over the CP group, all layers; * the cost model's choice")
-    for col in ("GPUs", "cp x tp", "merge", "ms/token", "weights ms", "attention ms", "merge ms", "TP comm ms",
-                "sent B/layer"):
-        d.add_column(col, justify="left" if col == "merge" else "right")
-    for r in decode:
-        d.add_row(str(r["gpus"]), f"{r['cp']} x {r['tp']}", r["merge"] + (" *" if r["chosen"] else ""),
-                  f"{r['total'] * 1e3:.4g}", f"{r['weights'] * 1e3:.4g}", f"{r['attention'] * 1e3:.4g}",
-                  f"{r['merge_comm'] * 1e3:.4g}", f"{r['tp_comm'] * 1e3:.3g}", str(r["bytes_per_layer"]))
-    out.print(d)
+    out.print(table(cols, rows, title=f"cpattn simulate: {args.topology}, prefill of {title}",
+                    caption="efficiency = T(cp=1) / (cp x T(cp)), the same schedule; MFU counts 2N per token and "
+                            "the causal attention pairs", everything="--json PATH has every figure"))
+    drop = {"weights ms": 1, "attention ms": 2, "TP comm ms": 3, "sent B/layer": 4}
+    cols = [Column(c, "left" if c == "merge" else "right", drop=drop.get(c, 0))
+            for c in ("GPUs", "cp x tp", "merge", "ms/token", "weights ms", "attention ms", "merge ms", "TP comm ms",
+                      "sent B/layer")]
+    rows = [[str(r["gpus"]), f"{r['cp']} x {r['tp']}", r["merge"] + (" *" if r["chosen"] else ""),
+             f"{r['total'] * 1e3:.4g}", f"{r['weights'] * 1e3:.4g}", f"{r['attention'] * 1e3:.4g}",
+             f"{r['merge_comm'] * 1e3:.4g}", f"{r['tp_comm'] * 1e3:.3g}", str(r["bytes_per_layer"])] for r in decode]
+    out.print(table(cols, rows, title=f"cpattn simulate: {args.topology}, decoding {args.batch} row(s) of {title}",
+                    caption="per generated token; weights and cache read once from memory; merge = the decode "
+                            "merge's collectives over the CP group, all layers; * the cost model's choice",
+                    everything="--json PATH has every figure"))
     for pub in PUBLISHED:
         ours = [r for r in prefill if r["gpus"] == pub.gpus and r["cp"] == pub.cp]
         if pub.model != name or pub.topology != preset or pub.seq != seq or not ours:
