@@ -86,3 +86,13 @@ def test_bench_breakdown_shows_every_term_next_to_the_measured_time(tmp_path, mo
     narrow = io.StringIO()
     Console(file=narrow, width=60).print(bench.render_breakdown(result, width=60))
     assert max(len(line) for line in narrow.getvalue().splitlines()) <= 60
+
+
+def test_large_calibration_blocks_run_on_fewer_heads():
+    s = calibrate.Settings()
+    assert max(s.sizes) >= 8192  # the blocks of a 2-rank run at 16K tokens, ulysses' 8K sequence
+    assert calibrate.kernel_heads(s, 2048) == (8, 2)
+    assert calibrate.kernel_heads(s, 4096) == (2, 1) and calibrate.kernel_heads(s, 8192) == (1, 1)
+    for n in (4096, 8192, 16384):
+        heads, kv = calibrate.kernel_heads(s, n)
+        assert heads % kv == 0 and heads * n * n <= 1.01 * s.heads * s.large_side ** 2 or heads == 1

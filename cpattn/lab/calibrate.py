@@ -47,8 +47,8 @@ class Settings:
     short documents, band tiles), each point the per-piece rate; ``message_bytes``: message sizes
     (bytes); ``reps``: timed repetitions per point (after one warm-up), ``small_kernel_reps`` for
     kernels of at most ``512 x 512`` pairs and stacked pieces (a few milliseconds each, so one busy
-    moment of the other rank moved a median of 3 by 30%; longer runs of the large kernels measure a
-    sustained rate below the one `cpattn bench` sees, so they keep ``reps``). The kernel shape is
+    moment of the other rank moved a median of 3 by 30%), ``comm_reps`` for the collectives (a median
+    of 3 moved a fitted bandwidth by up to 37% between two calibrations a second apart). The kernel shape is
     ``[batch, n, heads, head_dim]`` with ``kv_heads`` key/value heads in ``dtype``; blocks larger than
     ``large_side`` run on fewer heads (:func:`kernel_heads`). The sizes reach the blocks that runs use
     (a rank's whole shard at 8K-16K tokens on 2 ranks, ``ulysses``' whole sequence): a causal block
@@ -60,8 +60,9 @@ class Settings:
     stacked_sizes: tuple[int, ...] = (4, 16, 64)
     stacked_rows: int = 2048
     message_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
-    reps: int = 3
-    small_kernel_reps: int = 9
+    reps: int = 5
+    small_kernel_reps: int = 15
+    comm_reps: int = 9
     batch: int = 1
     heads: int = 8
     kv_heads: int = 2
@@ -72,7 +73,7 @@ class Settings:
 
 
 QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), stacked_sizes=(16,), stacked_rows=64,
-                 message_bytes=(1 << 12, 1 << 16), reps=1, small_kernel_reps=1)
+                 message_bytes=(1 << 12, 1 << 16), reps=1, small_kernel_reps=1, comm_reps=1)
 
 
 def _median_time(fn: Callable[[], object], reps: int, barrier: Callable[[], None]) -> float:
@@ -191,7 +192,7 @@ def rank_collective(settings: dict, op: str, nbytes: int) -> float:
     """On every rank: median seconds of ``op`` with a message of ``nbytes`` (see ``CommOp.bytes``)."""
     s = Settings(**settings)
     comm = _comm()
-    return _median_time(_run_op(comm, op, nbytes), s.reps, comm.barrier)
+    return _median_time(_run_op(comm, op, nbytes), s.comm_reps, comm.barrier)
 
 
 def rank_overlap(settings: dict, n: int, nbytes: int) -> dict[str, float]:
