@@ -96,3 +96,19 @@ def test_large_calibration_blocks_run_on_fewer_heads():
     for n in (4096, 8192, 16384):
         heads, kv = calibrate.kernel_heads(s, n)
         assert heads % kv == 0 and heads * n * n <= 1.01 * s.heads * s.large_side ** 2 or heads == 1
+
+
+def test_short_calls_are_timed_in_repeated_samples():
+    class OneRank:  # a world of one: the ranks agree on this rank's count
+        agreed = None
+
+        def all_reduce(self, t, op="sum"):
+            assert op == "max"
+            OneRank.agreed = int(t.item())
+
+    calls = []
+    seconds = calibrate._median_time(lambda: calls.append(1), 3, lambda: None, OneRank(), min_sample=0.002)
+    assert OneRank.agreed > 1 and len(calls) == 1 + 3 * OneRank.agreed and seconds < 0.002
+    calls.clear()
+    calibrate._median_time(lambda: calls.append(1), 3, lambda: None)
+    assert len(calls) == 4  # without a minimum sample: one call per sample

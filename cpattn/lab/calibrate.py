@@ -15,6 +15,7 @@ Times are medians over repetitions of the slowest rank.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -48,7 +49,8 @@ class Settings:
     (bytes); ``reps``: timed repetitions per point (after one warm-up), ``small_kernel_reps`` for
     kernels of at most ``512 x 512`` pairs and stacked pieces (a few milliseconds each, so one busy
     moment of the other rank moved a median of 3 by 30%), ``comm_reps`` for the collectives (a median
-    of 3 moved a fitted bandwidth by up to 37% between two calibrations a second apart). The kernel shape is
+    of 3 moved a fitted bandwidth by up to 37% between two calibrations a second apart); a timed sample
+    of a kernel or the merge repeats the call to span at least ``min_sample`` seconds. The kernel shape is
     ``[batch, n, heads, head_dim]`` with ``kv_heads`` key/value heads in ``dtype``; blocks larger than
     ``large_side`` run on fewer heads (:func:`kernel_heads`). The sizes reach the blocks that runs use
     (a rank's whole shard at 8K-16K tokens on 2 ranks, ``ulysses``' whole sequence): a causal block
@@ -63,6 +65,7 @@ class Settings:
     reps: int = 5
     small_kernel_reps: int = 15
     comm_reps: int = 9
+    min_sample: float = 0.02
     batch: int = 1
     heads: int = 8
     kv_heads: int = 2
@@ -73,17 +76,29 @@ class Settings:
 
 
 QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), stacked_sizes=(16,), stacked_rows=64,
-                 message_bytes=(1 << 12, 1 << 16), reps=1, small_kernel_reps=1, comm_reps=1)
+                 message_bytes=(1 << 12, 1 << 16), reps=1, small_kernel_reps=1, comm_reps=1, min_sample=0.0)
 
 
-def _median_time(fn: Callable[[], object], reps: int, barrier: Callable[[], None]) -> float:
+def _median_time(fn: Callable[[], object], reps: int, barrier: Callable[[], None], comm=None,
+                 min_sample: float = 0.0) -> float:
+    """Median seconds of one ``fn()`` over ``reps`` samples, each after ``barrier()``, after one warm-up.
+    With ``comm`` and ``min_sample`` (seconds), a sample repeats ``fn`` as many times as the ranks agree
+    it takes to span ``min_sample`` (the most any rank needs), so a call of a millisecond is not timed
+    alone (one busy moment of the other rank moved such medians by 20-40% between calibrations)."""
+    t0 = time.perf_counter()
     fn()  # warm-up
+    calls = 1
+    if comm is not None and min_sample > 0:
+        need = torch.tensor([math.ceil(min_sample / max(time.perf_counter() - t0, 1e-9))], dtype=torch.float64)
+        comm.all_reduce(need, op="max")
+        calls = max(1, int(need.item()))
     times = []
     for _ in range(reps):
         barrier()
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
 
 
@@ -147,8 +162,8 @@ def rank_kernels(settings: dict, kind: str, n: int, pieces: int = 1) -> dict[str
     out = out.to(q.dtype)
     dout = torch.randn_like(q)
     reps = s.small_kernel_reps if pieces > 1 or n <= 512 else s.reps
-    fwd = _median_time(fwd_call, reps, comm.barrier)
-    bwd = _median_time(bwd_call, reps, comm.barrier)
+    fwd = _median_time(fwd_call, reps, comm.barrier, comm, s.min_sample)
+    bwd = _median_time(bwd_call, reps, comm.barrier, comm, s.min_sample)
     return {"forward": fwd, "backward": bwd}
 
 
@@ -161,7 +176,7 @@ def rank_merge(settings: dict, n: int) -> float:
     out = torch.randn(s.batch, n, s.heads, s.head_dim, generator=g)
     lse = torch.randn(s.batch, s.heads, n, generator=g)
     o2, l2 = torch.randn_like(out), torch.randn_like(lse)
-    return _median_time(lambda: merge_into(out, lse, o2, l2), s.reps, comm.barrier)
+    return _median_time(lambda: merge_into(out, lse, o2, l2), s.small_kernel_reps, comm.barrier, comm, s.min_sample)
 
 
 def _run_op(comm, op: str, nbytes: int) -> Callable[[], None]:
