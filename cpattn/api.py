@@ -510,10 +510,7 @@ class ContextParallel:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
                 or softcap <= 0:
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
-        if self.backend not in ("auto", "math"):
-            raise ValueError(f"softcap={softcap}: soft-capping runs on the kernel paths that apply a score "
-                             f"modification (FlexAttention on CUDA, 'math'), but this ContextParallel has "
-                             f"backend={self.backend!r}; use backend='auto' or 'math'")
+        kernels.check_softcap_backend(self.backend)
         return float(softcap)
 
     def _checked_scale(self, q, k, v, softmax_scale) -> float:

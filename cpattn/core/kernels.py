@@ -170,9 +170,7 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
     if backend == "math":
         return "math"
     if softcap:
-        if backend != "auto":
-            raise ValueError(f"soft-capping runs on the kernel paths that apply a score modification (FlexAttention "
-                             f"on CUDA, 'math'), not backend={backend!r}: use backend='auto' or 'math'")
+        check_softcap_backend(backend)
         flex = device_type == "cuda" and "flex_cuda" in available and kernel_fits("flex_cuda", dtype, head_dim)
         return "flex_cuda" if flex else "math"
     if device_type == "cpu":
@@ -404,6 +402,14 @@ def _expands(path: str, q: torch.Tensor, k: torch.Tensor, expand: bool | None) -
     if expand is None:
         expand = path not in NATIVE_GQA
     return groups if expand else 1
+
+
+def check_softcap_backend(backend: str) -> None:
+    """Raise unless ``backend`` can soft-cap scores ("auto" or "math": they choose a path that applies a
+    score modification)."""
+    if backend not in ("auto", "math"):
+        raise ValueError(f"soft-capping runs on the kernel paths that apply a score modification (FlexAttention "
+                         f"on CUDA, 'math'), not backend={backend!r}: use backend='auto' or 'math'")
 
 
 #: the kernel paths that apply a score modification, so soft-capping
