@@ -61,13 +61,13 @@ def test_an_oversized_call_is_refused_on_every_rank_with_a_leaner_schedule_named
     assert "leanest schedule for mask 'causal' is" in first["message"] and "'allgather'" in first["message"]
 
 
-def test_a_topology_on_a_subgroup_is_refused_not_silently_flat(worlds):
-    for schedule in ("ringx3", "ringx3b"):
-        results = [r for r in worlds.get(8).run(worker_fns.topology_on_subgroup, timeout=60, schedule=schedule)
-                   if not isinstance(r, RankError) and r["member"]]
-        assert len(results) == 4
-        first = _same_error_everywhere(results)
-        assert first["type"] == "ValueError" and "DeviceMesh" in first["message"], first
+@pytest.mark.parametrize("schedule", ["ringx3", pytest.param("ringx3b", marks=pytest.mark.slow)])
+def test_a_topology_on_a_subgroup_is_refused_not_silently_flat(worlds, schedule):
+    results = [r for r in worlds.get(8).run(worker_fns.topology_on_subgroup, timeout=60, schedule=schedule)
+               if not isinstance(r, RankError) and r["member"]]
+    assert len(results) == 4
+    first = _same_error_everywhere(results)
+    assert first["type"] == "ValueError" and "DeviceMesh" in first["message"], first
 
 
 def test_a_one_dimensional_mesh_is_the_flat_group(worlds):
