@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import time
 
 import pytest
 from rich.console import Console
@@ -98,17 +99,24 @@ def test_large_calibration_blocks_run_on_fewer_heads():
         assert heads % kv == 0 and heads * n * n <= 1.01 * s.heads * s.large_side ** 2 or heads == 1
 
 
-def test_short_calls_are_timed_in_repeated_samples():
-    class OneRank:  # a world of one: the ranks agree on this rank's count
-        agreed = None
+def test_a_pass_spreads_the_samples_of_every_figure():
+    """One pass times every figure; the noisy ones come several times, each repetition after all the
+    others of its group, so the samples of one figure are spread over the pass, not timed in a burst."""
+    s = calibrate.Settings()
+    keys = calibrate.probes(s)
+    counts = {key: keys.count(key) for key in keys}
+    assert counts[("kernel", "full", 2048, 1, "forward")] == 1
+    assert counts[("kernel", "causal", 512, 1, "backward")] == s.small_samples > 1
+    assert counts[("kernel", "full", 16, s.stacked_rows // 16, "forward")] == s.small_samples
+    assert counts[("op", "all_gather", 1 << 24)] == counts[("merge", max(s.sizes))] == s.comm_samples > 1
+    assert counts[("overlap", "both")] == s.comm_samples
+    assert {key[1] for key in keys if key[0] == "op"} == set(calibrate.CALIBRATED_OPS)
+    where = [i for i, key in enumerate(keys) if key == ("op", "sendrecv", 1 << 16)]
+    between = {keys[i] for i in range(where[0] + 1, where[1])}
+    assert ("op", "all_to_all", 1 << 24) in between and ("merge", max(s.sizes)) in between
 
-        def all_reduce(self, t, op="sum"):
-            assert op == "max"
-            OneRank.agreed = int(t.item())
 
-    calls = []
-    seconds = calibrate._median_time(lambda: calls.append(1), 3, lambda: None, OneRank(), min_sample=0.002)
-    assert OneRank.agreed > 1 and len(calls) == 1 + 3 * OneRank.agreed and seconds < 0.002
-    calls.clear()
-    calibrate._median_time(lambda: calls.append(1), 3, lambda: None)
-    assert len(calls) == 4  # without a minimum sample: one call per sample
+def test_a_sample_times_several_calls_after_the_barrier():
+    calls, barriers = [], []
+    seconds = calibrate.sample(lambda: calls.append(time.perf_counter()), 4, lambda: barriers.append(1))
+    assert len(calls) == 4 and barriers == [1] and 0 <= seconds < 0.01

@@ -10,7 +10,7 @@ Runs on a local gloo world (2 ranks by default, sharing the cores as ``cpattn be
   per-op link (alpha seconds, bandwidth bytes/s);
 - how much of a transfer hides behind a concurrent kernel (``overlap``).
 
-Times are medians over repetitions of the slowest rank.
+Every figure is the median, over passes that each time everything once, of the slowest rank.
 """
 
 from __future__ import annotations
@@ -46,26 +46,27 @@ class Settings:
     ``partial_sizes``: for PARTIAL ones; ``stacked_sizes``: sides of small FULL/CAUSAL pieces timed
     ``stacked_rows // n`` at a time in one stacked call (as the executor runs the pieces of a cover:
     short documents, band tiles), each point the per-piece rate; ``message_bytes``: message sizes
-    (bytes); ``reps``: timed repetitions per point (after one warm-up), ``small_kernel_reps`` for
-    kernels of at most ``512 x 512`` pairs and stacked pieces (a few milliseconds each, so one busy
-    moment of the other rank moved a median of 3 by 30%), ``comm_reps`` for the collectives (a median
-    of 3 moved a fitted bandwidth by up to 37% between two calibrations a second apart); a timed sample
-    of a kernel or the merge repeats the call to span at least ``min_sample`` seconds. The kernel shape is
-    ``[batch, n, heads, head_dim]`` with ``kv_heads`` key/value heads in ``dtype``; blocks larger than
-    ``large_side`` run on fewer heads (:func:`kernel_heads`). The sizes reach the blocks that runs use
-    (a rank's whole shard at 8K-16K tokens on 2 ranks, ``ulysses``' whole sequence): a causal block
-    gains rate with size (its diagonal tiles waste less), and the rate of the largest measured block
-    is what every larger one gets."""
+    (bytes). Every figure is the median over ``passes`` samples, taken in rounds: each pass times every
+    kernel, the merge, every collective and the overlap probe once, so the samples of one figure are
+    spread over the whole calibration rather than bunched in a second (this machine's speed drifts by
+    +-7% from one second to the next, the same on both ranks, and a figure timed in one burst carried
+    that drift: two calibrations differed by up to 26% on a kernel rate and 22% on a bandwidth). A sample
+    repeats its call to span at least ``min_sample`` seconds. The kernel shape is ``[batch, n, heads,
+    head_dim]`` with ``kv_heads`` key/value heads in ``dtype``; blocks larger than ``large_side`` run on
+    fewer heads (:func:`kernel_heads`). The sizes reach the blocks that runs use (a rank's whole shard at
+    8K-16K tokens on 2 ranks, ``ulysses``' whole sequence): a causal block gains rate with size (its
+    diagonal tiles waste less), and the rate of the largest measured block is what every larger one
+    gets."""
 
     sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     partial_sizes: tuple[int, ...] = (256, 512)
     stacked_sizes: tuple[int, ...] = (4, 16, 64)
     stacked_rows: int = 2048
     message_bytes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
-    reps: int = 5
-    small_kernel_reps: int = 15
-    comm_reps: int = 9
-    min_sample: float = 0.02
+    passes: int = 11
+    small_samples: int = 3
+    comm_samples: int = 4
+    min_sample: float = 0.03
     batch: int = 1
     heads: int = 8
     kv_heads: int = 2
@@ -76,35 +77,7 @@ class Settings:
 
 
 QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), stacked_sizes=(16,), stacked_rows=64,
-                 message_bytes=(1 << 12, 1 << 16), reps=1, small_kernel_reps=1, comm_reps=1, min_sample=0.0)
-
-
-def _median_time(fn: Callable[[], object], reps: int, barrier: Callable[[], None], comm=None,
-                 min_sample: float = 0.0) -> float:
-    """Median seconds of one ``fn()`` over ``reps`` samples, each after ``barrier()``, after one warm-up.
-    With ``comm`` and ``min_sample`` (seconds), a sample repeats ``fn`` as many times as the ranks agree
-    it takes to span ``min_sample`` (the most any rank needs), so a call of a millisecond is not timed
-    alone (one busy moment of the other rank moved such medians by 20-40% between calibrations)."""
-    t0 = time.perf_counter()
-    fn()  # warm-up
-    calls = 1
-    if comm is not None and min_sample > 0:
-        need = torch.tensor([math.ceil(min_sample / max(time.perf_counter() - t0, 1e-9))], dtype=torch.float64)
-        comm.all_reduce(need, op="max")
-        calls = max(1, int(need.item()))
-    times = []
-    for _ in range(reps):
-        barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
-
-
-def _comm():
-
-    return Communicator()
+                 message_bytes=(1 << 12, 1 << 16), passes=1, small_samples=1, comm_samples=1, min_sample=0.0)
 
 
 def _inputs(s: Settings, n: int):
@@ -130,16 +103,20 @@ def kernel_heads(s: Settings, n: int) -> tuple[int, int]:
     return heads, kv
 
 
-def rank_kernels(settings: dict, kind: str, n: int, pieces: int = 1) -> dict[str, float]:
-    """On every rank: median seconds of one forward and one backward ``kind`` kernel of side ``n``
-    (on :func:`kernel_heads` heads), or of one stacked call of ``pieces`` such blocks
-    (``kernels.forward_stacked``) when ``pieces > 1``."""
+def kernel_jobs(s: Settings) -> list[tuple[str, int, int]]:
+    """``(kind, side, pieces)`` of every kernel calibration times: FULL and CAUSAL blocks of each size,
+    stacked small pieces (``pieces > 1``), PARTIAL blocks."""
+    jobs = [(kind, n, 1) for kind in ("full", "causal") for n in s.sizes]
+    jobs += [(kind, n, max(1, s.stacked_rows // n)) for kind in ("full", "causal") for n in s.stacked_sizes]
+    return jobs + [("partial", n, 1) for n in s.partial_sizes]
 
-    s = Settings(**settings)
+
+def _kernel_calls(s: Settings, kind: str, n: int, pieces: int) -> dict[str, Callable[[], object]]:
+    """The forward and backward call of a ``kind`` kernel of side ``n`` (on :func:`kernel_heads` heads),
+    or of one stacked call of ``pieces`` such blocks (``kernels.forward_stacked``) when ``pieces > 1``."""
     heads, kv_heads = kernel_heads(s, n)
-    s = replace(s, heads=heads, kv_heads=kv_heads)
-    comm = _comm()
-    q, k, v = _inputs(replace(s, batch=s.batch * pieces), n)
+    s = replace(s, heads=heads, kv_heads=kv_heads, batch=s.batch * pieces)
+    q, k, v = _inputs(s, n)
     block = BlockKind(kind)
     mask = None
     if block == BlockKind.PARTIAL:  # a band: every row attends a window around its diagonal
@@ -161,25 +138,20 @@ def rank_kernels(settings: dict, kind: str, n: int, pieces: int = 1) -> dict[str
     out, lse = fwd_call()
     out = out.to(q.dtype)
     dout = torch.randn_like(q)
-    reps = s.small_kernel_reps if pieces > 1 or n <= 512 else s.reps
-    fwd = _median_time(fwd_call, reps, comm.barrier, comm, s.min_sample)
-    bwd = _median_time(bwd_call, reps, comm.barrier, comm, s.min_sample)
-    return {"forward": fwd, "backward": bwd}
+    return {"forward": fwd_call, "backward": bwd_call}
 
 
-def rank_merge(settings: dict, n: int) -> float:
-    """On every rank: median seconds of one pairwise merge of ``n`` query rows."""
-
-    s = Settings(**settings)
-    comm = _comm()
+def _merge_call(s: Settings, n: int) -> Callable[[], object]:
+    """One pairwise merge of ``n`` query rows."""
     g = torch.Generator().manual_seed(1)
     out = torch.randn(s.batch, n, s.heads, s.head_dim, generator=g)
     lse = torch.randn(s.batch, s.heads, n, generator=g)
     o2, l2 = torch.randn_like(out), torch.randn_like(lse)
-    return _median_time(lambda: merge_into(out, lse, o2, l2), s.small_kernel_reps, comm.barrier, comm, s.min_sample)
+    return lambda: merge_into(out, lse, o2, l2)
 
 
-def _run_op(comm, op: str, nbytes: int) -> Callable[[], None]:
+def _op_call(comm, op: str, nbytes: int) -> Callable[[], None]:
+    """One ``op`` with a message of ``nbytes`` (see ``CommOp.bytes``), waited."""
     p, r = comm.world_size, comm.rank
     n = max(1, nbytes // 4)
     t = torch.randn(n)
@@ -203,19 +175,9 @@ def _run_op(comm, op: str, nbytes: int) -> Callable[[], None]:
     return lambda: comm.all_to_all(out, big)
 
 
-def rank_collective(settings: dict, op: str, nbytes: int) -> float:
-    """On every rank: median seconds of ``op`` with a message of ``nbytes`` (see ``CommOp.bytes``)."""
-    s = Settings(**settings)
-    comm = _comm()
-    return _median_time(_run_op(comm, op, nbytes), s.comm_reps, comm.barrier)
-
-
-def rank_overlap(settings: dict, n: int, nbytes: int) -> dict[str, float]:
-    """On every rank: seconds of a forward FULL kernel of side ``n``, of a ``sendrecv`` of ``nbytes``,
-    and of both at once (the transfer issued before the kernel, waited after it)."""
-
-    s = Settings(**settings)
-    comm = _comm()
+def _overlap_calls(comm, s: Settings, n: int, nbytes: int) -> dict[str, Callable[[], object]]:
+    """A forward FULL kernel of side ``n``, a ``sendrecv`` of ``nbytes``, and both at once (the transfer
+    issued before the kernel, waited after it)."""
     q, k, v = _inputs(s, n)
     scale = kernels.default_scale(s.head_dim)
     p, r = comm.world_size, comm.rank
@@ -233,9 +195,79 @@ def rank_overlap(settings: dict, n: int, nbytes: int) -> dict[str, float]:
         kernel()
         handle.wait()
 
-    return {"compute": _median_time(kernel, s.reps, comm.barrier),
-            "comm": _median_time(lambda: transfer().wait(), s.reps, comm.barrier),
-            "both": _median_time(both, s.reps, comm.barrier)}
+    return {"compute": kernel, "comm": lambda: transfer().wait(), "both": both}
+
+
+def probes(s: Settings) -> list[tuple]:
+    """The keys of everything one pass times, in order: ``("kernel", kind, side, pieces, phase)``,
+    ``("merge", rows)``, ``("op", name, bytes)``, ``("overlap", part)``. The small kernels (at most
+    ``512 x 512``, stacked pieces) come ``small_samples`` times; the merge, the collectives and the
+    overlap probe (memory-bound, and noisier) ``comm_samples`` times; each repetition after all the
+    others of its group."""
+    kernel_keys = [("kernel", kind, n, pieces, phase) for kind, n, pieces in kernel_jobs(s)
+                   for phase in ("forward", "backward")]
+    small = [key for key in kernel_keys if key[3] > 1 or key[2] <= 512]
+    memory = [("merge", max(s.sizes))]
+    memory += [("op", op, b) for op in CALIBRATED_OPS for b in s.message_bytes]
+    memory += [("overlap", part) for part in ("compute", "comm", "both")]
+    return kernel_keys + small * (s.small_samples - 1) + memory * s.comm_samples
+
+
+#: this rank's calls and how many of each make a sample, set by :func:`rank_prepare`
+_PREPARED: dict[str, object] = {}
+
+
+def rank_prepare(settings: dict) -> int:
+    """On every rank: build the call of every :func:`probes` key, warm each up once, and agree with
+    the other ranks how many calls make a sample of at least ``min_sample`` seconds (the most any rank
+    needs). Returns the number of probes."""
+    s = Settings(**settings)
+    comm = Communicator()
+    calls: dict[tuple, Callable[[], object]] = {}
+    kernel_calls = {job: _kernel_calls(s, *job) for job in kernel_jobs(s)}
+    overlap_n = min(s.sizes[len(s.sizes) // 2], s.large_side)
+    overlap = _overlap_calls(comm, s, overlap_n, max(s.message_bytes))
+    keys = probes(s)
+    for key in dict.fromkeys(keys):
+        if key[0] == "kernel":
+            calls[key] = kernel_calls[key[1:4]][key[4]]
+        elif key[0] == "merge":
+            calls[key] = _merge_call(s, key[1])
+        elif key[0] == "op":
+            calls[key] = _op_call(comm, key[1], key[2])
+        else:
+            calls[key] = overlap[key[1]]
+    need = []
+    for fn in calls.values():
+        comm.barrier()
+        t0 = time.perf_counter()
+        fn()  # warm-up
+        need.append(math.ceil(s.min_sample / max(time.perf_counter() - t0, 1e-9)) if s.min_sample > 0 else 1)
+    agreed = torch.tensor(need, dtype=torch.float64)
+    comm.all_reduce(agreed, op="max")
+    repeat = {key: max(1, int(c)) for key, c in zip(calls, agreed.tolist(), strict=True)}
+    _PREPARED.update(comm=comm, calls=[calls[key] for key in keys], repeat=[repeat[key] for key in keys])
+    return len(keys)
+
+
+def sample(fn: Callable[[], object], calls: int, barrier: Callable[[], None]) -> float:
+    """Seconds of one ``fn()``: ``calls`` calls timed together after ``barrier()``, over ``calls``."""
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def rank_pass() -> list[float]:
+    """On every rank: one sample of every prepared probe, in order (seconds per call)."""
+    comm = _PREPARED["comm"]
+    return [sample(fn, n, comm.barrier) for fn, n in zip(_PREPARED["calls"], _PREPARED["repeat"], strict=True)]
+
+
+def rank_release() -> None:
+    """On every rank: drop what :func:`rank_prepare` built."""
+    _PREPARED.clear()
 
 
 def fit_link(op: str, ranks: int, points: list[tuple[int, float]]) -> Link:
@@ -308,24 +340,17 @@ class Interference:
 def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int], None] | None = None,
               timeout: float = 300.0, interference: Interference | None = None) -> Profile:
     """Measure this machine on a ``settings.ranks``-rank local world and return a :class:`Profile`.
-    ``progress(what, done, total)`` is called before each measurement and once at the end.
+    ``progress(what, done, total)`` is called before each pass and once at the end.
     ``interference`` (an :class:`Interference`) measures what other processes took meanwhile; its
     figures also go to the profile's ``host`` (``load_before``, ``interference``)."""
     import psutil
 
     watch = interference or Interference()
-
     say = progress or (lambda what, done, total: None)
     cores = os.cpu_count() or 1
     threads = max(1, cores // settings.ranks)
-    cfg = asdict(settings)
-    kernel_jobs = [(kind, n, 1) for kind in ("full", "causal") for n in settings.sizes]
-    kernel_jobs += [(kind, n, max(1, settings.stacked_rows // n)) for kind in ("full", "causal")
-                    for n in settings.stacked_sizes]
-    kernel_jobs += [("partial", n, 1) for n in settings.partial_sizes]
-    comm_jobs = [(op, b) for op in CALIBRATED_OPS for b in settings.message_bytes]
-    total = len(kernel_jobs) + 1 + len(comm_jobs) + 1
-    done = 0
+    keys = probes(settings)
+    total = settings.passes + 1
 
     def checked(results: list) -> list:
         errors = [r for r in results if isinstance(r, RankError)]
@@ -333,45 +358,42 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
             raise RuntimeError(f"calibration failed: {errors[0]}")
         return results
 
+    samples: dict[tuple, list[float]] = {key: [] for key in keys}
+    with LocalWorld(settings.ranks, threads=threads) as w:
+        watch.start()
+        say("building and warming up every kernel and collective", 0, total)
+        checked(w.run(rank_prepare, timeout=timeout, settings=asdict(settings)))
+        for i in range(settings.passes):
+            say(f"pass {i + 1}/{settings.passes}: {len(keys)} kernels, merges and collectives", i + 1, total)
+            res = checked(w.run(rank_pass, timeout=timeout))
+            for j, key in enumerate(keys):
+                samples[key].append(max(r[j] for r in res))  # the slowest rank
+        checked(w.run(rank_release, timeout=timeout))
+        watch.stop()
+    say("done", total, total)
+    seconds = {key: statistics.median(v) for key, v in samples.items()}
+
     problem = Problem(settings.ranks * max(settings.sizes), settings.ranks, "full", settings.batch, settings.heads,
                       settings.kv_heads, settings.head_dim, settings.dtype)
     points: list[RatePoint] = []
-    with LocalWorld(settings.ranks, threads=threads) as w:
-        watch.start()
-        for kind, n, pieces in kernel_jobs:
-            say(f"kernel {kind} {n}x{n}" + (f" x {pieces} stacked" if pieces > 1 else ""), done, total)
-            res = checked(w.run(rank_kernels, timeout=timeout, settings=cfg, kind=kind, n=n, pieces=pieces))
-            heads, kv_heads = kernel_heads(settings, n)
-            kernel = Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n, heads, kv_heads)
-            for phase in ("forward", "backward"):
-                seconds = max(r[phase] for r in res)  # per piece: the rate of one block of a stacked call
-                points.append(RatePoint(phase, kind, n, n, pieces * kernel.flops(problem, phase) / seconds))
-            done += 1
-        merge_n = min(max(settings.sizes), settings.large_side)
-        say("merge epilogue", done, total)
-        merge_s = max(checked(w.run(rank_merge, timeout=timeout, settings=cfg, n=merge_n)))
-        memory_bandwidth = Kernel("full", merge_n, merge_n, 0).epilogue_bytes(problem, "forward") / merge_s
-        done += 1
-        measured: dict[str, list[tuple[int, float]]] = {op: [] for op in CALIBRATED_OPS}
-        for op, nbytes in comm_jobs:
-            say(f"{op} {nbytes / 2**20:.3g} MiB", done, total)
-            measured[op].append((nbytes, max(checked(w.run(rank_collective, timeout=timeout, settings=cfg, op=op,
-                                                            nbytes=nbytes)))))
-            done += 1
-        say("overlap of a transfer and a kernel", done, total)
-        overlap_n = min(settings.sizes[len(settings.sizes) // 2], settings.large_side)
-        ov = checked(w.run(rank_overlap, timeout=timeout, settings=cfg, n=overlap_n,
-                           nbytes=max(settings.message_bytes)))
-        tc, tm, tb = (max(r[key] for r in ov) for key in ("compute", "comm", "both"))
-        overlap = min(1.0, max(0.0, (tc + tm - tb) / min(tc, tm)))
-        done += 1
-        watch.stop()
-    say("done", done, total)
-    links = {op: fit_link(op, settings.ranks, pts) for op, pts in measured.items()}
+    for kind, n, pieces in kernel_jobs(settings):
+        heads, kv_heads = kernel_heads(settings, n)
+        kernel = Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n, heads, kv_heads)
+        for phase in ("forward", "backward"):  # per piece: the rate of one block of a stacked call
+            points.append(RatePoint(phase, kind, n, n, pieces * kernel.flops(problem, phase)
+                                    / seconds[("kernel", kind, n, pieces, phase)]))
+    merge_key = next(key for key in keys if key[0] == "merge")
+    memory_bandwidth = Kernel("full", merge_key[1], merge_key[1], 0).epilogue_bytes(problem, "forward") \
+        / seconds[merge_key]
+    links = {op: fit_link(op, settings.ranks, [(b, seconds[("op", op, b)]) for b in settings.message_bytes])
+             for op in CALIBRATED_OPS}
+    tc, tm, tb = (seconds[("overlap", part)] for part in ("compute", "comm", "both"))
+    overlap = min(1.0, max(0.0, (tc + tm - tb) / min(tc, tm)))
     host = {"torch": torch.__version__, "platform": platform.platform(), "machine": platform.machine(),
             "kernel_shape": f"b={settings.batch} h={settings.heads}:{settings.kv_heads} d={settings.head_dim} "
                             f"{settings.dtype}",
-            "load_before": f"{watch.load_before:.2f}", "interference": f"{watch.share:.3f}"}
+            "load_before": f"{watch.load_before:.2f}", "interference": f"{watch.share:.3f}",
+            "passes": str(settings.passes)}
     return Profile(tuple(points), links, memory_bandwidth, overlap, cores, settings.ranks, threads,
                    int(psutil.virtual_memory().total), host)
 
