@@ -89,23 +89,17 @@ def test_bench_breakdown_shows_every_term_next_to_the_measured_time(tmp_path, mo
     assert max(len(line) for line in narrow.getvalue().splitlines()) <= 60
 
 
-def test_large_calibration_blocks_run_on_fewer_heads():
-    s = calibrate.Settings()
-    assert max(s.sizes) >= 8192  # the blocks of a 2-rank run at 16K tokens, ulysses' 8K sequence
-    assert calibrate.kernel_heads(s, 2048) == (8, 2)
-    assert calibrate.kernel_heads(s, 4096) == (2, 1) and calibrate.kernel_heads(s, 8192) == (1, 1)
-    for n in (4096, 8192, 16384):
-        heads, kv = calibrate.kernel_heads(s, n)
-        assert heads % kv == 0 and heads * n * n <= 1.01 * s.heads * s.large_side ** 2 or heads == 1
-
-
 def test_a_pass_spreads_the_samples_of_every_figure():
     """One pass times every figure; the noisy ones come several times, each repetition after all the
     others of its group, so the samples of one figure are spread over the pass, not timed in a burst."""
     s = calibrate.Settings()
     keys = calibrate.probes(s)
     counts = {key: keys.count(key) for key in keys}
-    assert counts[("kernel", "full", 2048, 1, "forward")] == 1
+    assert max(s.sizes) >= 8192  # the blocks of a 2-rank run at 16K tokens, ulysses' 8K sequence
+    assert counts[("kernel", "full", 2048, 1, "forward")] == counts[("kernel", "causal", 8192, 1, "backward")] == 1
+    later = calibrate.probes(s, 1)  # the large blocks come in every large_every-th pass
+    assert s.large_every == 2 and ("kernel", "full", 8192, 1, "forward") not in later
+    assert ("kernel", "full", 2048, 1, "forward") in later and len(calibrate.probes(s, 2)) == len(keys)
     assert counts[("kernel", "causal", 512, 1, "backward")] == s.small_samples > 1
     assert counts[("kernel", "full", 16, s.stacked_rows // 16, "forward")] == s.small_samples
     assert counts[("op", "all_gather", 1 << 24)] == counts[("merge", max(s.sizes))] == s.comm_samples > 1

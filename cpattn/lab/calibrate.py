@@ -42,21 +42,23 @@ CALIBRATED_OPS = ("sendrecv", "all_gather", "reduce_scatter", "broadcast", "redu
 
 @dataclass(frozen=True)
 class Settings:
-    """What to measure. ``sizes``: square block sides (tokens) for FULL/CAUSAL kernels;
-    ``partial_sizes``: for PARTIAL ones; ``stacked_sizes``: sides of small FULL/CAUSAL pieces timed
-    ``stacked_rows // n`` at a time in one stacked call (as the executor runs the pieces of a cover:
-    short documents, band tiles), each point the per-piece rate; ``message_bytes``: message sizes
-    (bytes). Every figure is the median over ``passes`` samples, taken in rounds: each pass times every
-    kernel, the merge, every collective and the overlap probe once, so the samples of one figure are
-    spread over the whole calibration rather than bunched in a second (this machine's speed drifts by
-    +-7% from one second to the next, the same on both ranks, and a figure timed in one burst carried
-    that drift: two calibrations differed by up to 26% on a kernel rate and 22% on a bandwidth). A sample
-    repeats its call to span at least ``min_sample`` seconds. The kernel shape is ``[batch, n, heads,
-    head_dim]`` with ``kv_heads`` key/value heads in ``dtype``; blocks larger than ``large_side`` run on
-    fewer heads (:func:`kernel_heads`). The sizes reach the blocks that runs use (a rank's whole shard at
-    8K-16K tokens on 2 ranks, ``ulysses``' whole sequence): a causal block gains rate with size (its
-    diagonal tiles waste less), and the rate of the largest measured block is what every larger one
-    gets."""
+    """What to measure. ``sizes``: square block sides (tokens) for FULL/CAUSAL kernels; ``partial_sizes``: for
+    PARTIAL ones; ``stacked_sizes``: sides of small FULL/CAUSAL pieces timed ``stacked_rows // n`` at a time in
+    one stacked call (as the executor runs the pieces of a cover: short documents, band tiles), each point the
+    per-piece rate; ``message_bytes``: message sizes (bytes). Every figure is the median of its samples over
+    ``passes`` passes: each pass times every kernel, the merge, every collective and the overlap probe once
+    (:func:`probes`; the small kernels ``small_samples`` times, the merge, collectives and overlap probe
+    ``comm_samples`` times), so the samples of one figure are spread over the whole calibration rather than
+    bunched in a second (a shared machine's speed drifts by +-7% from one second to the next, the same on both
+    ranks, and a figure timed in one burst carried that drift: two calibrations differed by up to 26% on a
+    kernel rate and 22% on a bandwidth). A sample repeats its call to span at least ``min_sample`` seconds. The
+    kernel shape is ``[batch, n, heads, head_dim]`` with ``kv_heads`` key/value heads in ``dtype``; every block
+    runs on all of them, the large ones too: with both ranks busy, a backward of 8192 x 8192 on 8:2 heads ran
+    7% below one on 1:1 heads, which an earlier calibration (large blocks on fewer heads) had priced every
+    run's large blocks at. Blocks larger than ``large_side`` (seconds per call, the steadiest figures) are
+    timed in every ``large_every``-th pass. The sizes reach the blocks that runs use (a rank's whole shard at
+    8K-16K tokens on 2 ranks, ``ulysses``' whole sequence): a causal block gains rate with size (its diagonal
+    tiles waste less), and the rate of the largest measured block is what every larger one gets."""
 
     sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     partial_sizes: tuple[int, ...] = (256, 512)
@@ -74,6 +76,7 @@ class Settings:
     dtype: str = "float32"
     ranks: int = 2
     large_side: int = 2048
+    large_every: int = 2
 
 
 QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), stacked_sizes=(16,), stacked_rows=64,
@@ -90,19 +93,6 @@ def _inputs(s: Settings, n: int):
     return q, k, v
 
 
-def kernel_heads(s: Settings, n: int) -> tuple[int, int]:
-    """(query heads, kv heads) of the calibration kernel of side ``n``: the settings' up to
-    ``s.large_side``; above it fewer (at least 1), in proportion to ``(large_side / n)^2``, so that a
-    call of a large block costs about what one of ``large_side`` does (a rate is per FLOP, and a
-    CPU kernel's rate per head does not depend on the head count)."""
-    if n <= s.large_side:
-        return s.heads, s.kv_heads
-    shrink = (n / s.large_side) ** 2
-    kv = max(1, round(s.kv_heads / shrink))
-    heads = max(kv, round(s.heads / shrink) // kv * kv)
-    return heads, kv
-
-
 def kernel_jobs(s: Settings) -> list[tuple[str, int, int]]:
     """``(kind, side, pieces)`` of every kernel calibration times: FULL and CAUSAL blocks of each size,
     stacked small pieces (``pieces > 1``), PARTIAL blocks."""
@@ -112,10 +102,9 @@ def kernel_jobs(s: Settings) -> list[tuple[str, int, int]]:
 
 
 def _kernel_calls(s: Settings, kind: str, n: int, pieces: int) -> dict[str, Callable[[], object]]:
-    """The forward and backward call of a ``kind`` kernel of side ``n`` (on :func:`kernel_heads` heads),
-    or of one stacked call of ``pieces`` such blocks (``kernels.forward_stacked``) when ``pieces > 1``."""
-    heads, kv_heads = kernel_heads(s, n)
-    s = replace(s, heads=heads, kv_heads=kv_heads, batch=s.batch * pieces)
+    """The forward and backward call of a ``kind`` kernel of side ``n``, or of one stacked call of
+    ``pieces`` such blocks (``kernels.forward_stacked``) when ``pieces > 1``."""
+    s = replace(s, batch=s.batch * pieces)
     q, k, v = _inputs(s, n)
     block = BlockKind(kind)
     mask = None
@@ -198,14 +187,15 @@ def _overlap_calls(comm, s: Settings, n: int, nbytes: int) -> dict[str, Callable
     return {"compute": kernel, "comm": lambda: transfer().wait(), "both": both}
 
 
-def probes(s: Settings) -> list[tuple]:
-    """The keys of everything one pass times, in order: ``("kernel", kind, side, pieces, phase)``,
-    ``("merge", rows)``, ``("op", name, bytes)``, ``("overlap", part)``. The small kernels (at most
-    ``512 x 512``, stacked pieces) come ``small_samples`` times; the merge, the collectives and the
-    overlap probe (memory-bound, and noisier) ``comm_samples`` times; each repetition after all the
-    others of its group."""
+def probes(s: Settings, index: int = 0) -> list[tuple]:
+    """The keys of everything pass ``index`` times, in order: ``("kernel", kind, side, pieces, phase)``,
+    ``("merge", rows)``, ``("op", name, bytes)``, ``("overlap", part)``. Kernels larger than
+    ``large_side`` (a second or more per call, and the steadiest figures) come in every
+    ``large_every``-th pass only; the small kernels (at most ``512 x 512``, stacked pieces)
+    ``small_samples`` times a pass; the merge, the collectives and the overlap probe (memory-bound, and
+    noisier) ``comm_samples`` times; each repetition after all the others of its group."""
     kernel_keys = [("kernel", kind, n, pieces, phase) for kind, n, pieces in kernel_jobs(s)
-                   for phase in ("forward", "backward")]
+                   for phase in ("forward", "backward") if n <= s.large_side or index % s.large_every == 0]
     small = [key for key in kernel_keys if key[3] > 1 or key[2] <= 512]
     memory = [("merge", max(s.sizes))]
     memory += [("op", op, b) for op in CALIBRATED_OPS for b in s.message_bytes]
@@ -225,10 +215,10 @@ def rank_prepare(settings: dict) -> int:
     comm = Communicator()
     calls: dict[tuple, Callable[[], object]] = {}
     kernel_calls = {job: _kernel_calls(s, *job) for job in kernel_jobs(s)}
-    overlap_n = min(s.sizes[len(s.sizes) // 2], s.large_side)
+    overlap_n = min(s.sizes[len(s.sizes) // 2], 2048)
     overlap = _overlap_calls(comm, s, overlap_n, max(s.message_bytes))
-    keys = probes(s)
-    for key in dict.fromkeys(keys):
+    every = [probes(s, i) for i in range(min(s.passes, s.large_every))]
+    for key in dict.fromkeys(key for keys in every for key in keys):
         if key[0] == "kernel":
             calls[key] = kernel_calls[key[1:4]][key[4]]
         elif key[0] == "merge":
@@ -246,8 +236,8 @@ def rank_prepare(settings: dict) -> int:
     agreed = torch.tensor(need, dtype=torch.float64)
     comm.all_reduce(agreed, op="max")
     repeat = {key: max(1, int(c)) for key, c in zip(calls, agreed.tolist(), strict=True)}
-    _PREPARED.update(comm=comm, calls=[calls[key] for key in keys], repeat=[repeat[key] for key in keys])
-    return len(keys)
+    _PREPARED.update(comm=comm, calls=calls, repeat=repeat, settings=s)
+    return len(calls)
 
 
 def sample(fn: Callable[[], object], calls: int, barrier: Callable[[], None]) -> float:
@@ -259,10 +249,11 @@ def sample(fn: Callable[[], object], calls: int, barrier: Callable[[], None]) ->
     return (time.perf_counter() - t0) / calls
 
 
-def rank_pass() -> list[float]:
-    """On every rank: one sample of every prepared probe, in order (seconds per call)."""
-    comm = _PREPARED["comm"]
-    return [sample(fn, n, comm.barrier) for fn, n in zip(_PREPARED["calls"], _PREPARED["repeat"], strict=True)]
+def rank_pass(index: int) -> list[float]:
+    """On every rank: one sample of every probe of pass ``index`` (:func:`probes`), in order (seconds
+    per call)."""
+    comm, calls, repeat = _PREPARED["comm"], _PREPARED["calls"], _PREPARED["repeat"]
+    return [sample(calls[key], repeat[key], comm.barrier) for key in probes(_PREPARED["settings"], index)]
 
 
 def rank_release() -> None:
@@ -349,7 +340,6 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
     say = progress or (lambda what, done, total: None)
     cores = os.cpu_count() or 1
     threads = max(1, cores // settings.ranks)
-    keys = probes(settings)
     total = settings.passes + 1
 
     def checked(results: list) -> list:
@@ -358,16 +348,17 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
             raise RuntimeError(f"calibration failed: {errors[0]}")
         return results
 
-    samples: dict[tuple, list[float]] = {key: [] for key in keys}
+    samples: dict[tuple, list[float]] = {}
     with LocalWorld(settings.ranks, threads=threads) as w:
         watch.start()
         say("building and warming up every kernel and collective", 0, total)
         checked(w.run(rank_prepare, timeout=timeout, settings=asdict(settings)))
         for i in range(settings.passes):
+            keys = probes(settings, i)
             say(f"pass {i + 1}/{settings.passes}: {len(keys)} kernels, merges and collectives", i + 1, total)
-            res = checked(w.run(rank_pass, timeout=timeout))
+            res = checked(w.run(rank_pass, timeout=timeout, index=i))
             for j, key in enumerate(keys):
-                samples[key].append(max(r[j] for r in res))  # the slowest rank
+                samples.setdefault(key, []).append(max(r[j] for r in res))  # the slowest rank
         checked(w.run(rank_release, timeout=timeout))
         watch.stop()
     say("done", total, total)
@@ -377,12 +368,11 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
                       settings.kv_heads, settings.head_dim, settings.dtype)
     points: list[RatePoint] = []
     for kind, n, pieces in kernel_jobs(settings):
-        heads, kv_heads = kernel_heads(settings, n)
-        kernel = Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n, heads, kv_heads)
+        kernel = Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n)
         for phase in ("forward", "backward"):  # per piece: the rate of one block of a stacked call
             points.append(RatePoint(phase, kind, n, n, pieces * kernel.flops(problem, phase)
                                     / seconds[("kernel", kind, n, pieces, phase)]))
-    merge_key = next(key for key in keys if key[0] == "merge")
+    merge_key = ("merge", max(settings.sizes))
     memory_bandwidth = Kernel("full", merge_key[1], merge_key[1], 0).epilogue_bytes(problem, "forward") \
         / seconds[merge_key]
     links = {op: fit_link(op, settings.ranks, [(b, seconds[("op", op, b)]) for b in settings.message_bytes])
@@ -450,4 +440,4 @@ def combine(profiles: list[Profile]) -> Profile:
 
 
 __all__ = ["CALIBRATED_OPS", "QUICK", "Interference", "Settings", "calibrate", "combine", "fit_link", "is_rate",
-           "kernel_heads", "rates", "spread"]
+           "kernel_jobs", "probes", "rates", "spread"]
