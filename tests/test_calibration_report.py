@@ -114,3 +114,11 @@ def test_a_sample_times_several_calls_after_the_barrier():
     calls, barriers = [], []
     seconds = calibrate.sample(lambda: calls.append(time.perf_counter()), 4, lambda: barriers.append(1))
     assert len(calls) == 4 and barriers == [1] and 0 <= seconds < 0.01
+
+
+def test_the_speed_of_each_pass_shows_the_drift():
+    a, b = ("kernel", "full", 256, 1, "forward"), ("op", "sendrecv", 1 << 16)
+    per_pass = [[(a, 1.0), (b, 2.0), (b, 2.0)], [(a, 1.1), (b, 2.2)], [(a, 0.9), (b, 1.8)]]
+    seconds = {a: 1.0, b: 2.0}
+    speeds = calibrate.pass_speeds(per_pass, seconds)
+    assert speeds == pytest.approx([1.0, 1 / 1.1, 1 / 0.9])

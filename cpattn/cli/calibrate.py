@@ -74,6 +74,13 @@ def run(args) -> int:
               + ", ".join(f"{float(p.host.get('interference', 'nan')):.0%}" for p in profiles)
               + " of the cores while it measured (load average at the start "
               + ", ".join(p.host.get("load_before", "?") for p in profiles) + ")")
+    for n, p in enumerate(profiles):
+        speeds = [float(x) for x in p.host.get("pass_speed", "").split()]
+        if speeds:
+            out.print(("" if len(profiles) == 1 else f"calibration {n + 1}: ")
+                      + f"the machine's speed from pass to pass ranged {min(speeds):.2f}-{max(speeds):.2f} of the "
+                      f"calibration's median over {len(speeds)} passes (drift on this scale moves any two "
+                      "calibrations, and any two runs, apart)")
     t = Table(title="kernel throughput, GFLOP/s per rank" + (" (median of the calibrations)" if len(profiles) > 1
                                                                else ""))
     for col in ("kind", "block", "forward", "backward"):

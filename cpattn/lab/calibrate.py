@@ -328,6 +328,13 @@ class Interference:
                 "be high: calibrate again on an idle machine")
 
 
+def pass_speeds(per_pass: list[list[tuple[tuple, float]]], seconds: dict[tuple, float]) -> list[float]:
+    """The machine's speed in each pass against the calibration as a whole: per pass, the median over
+    its samples of ``seconds[key] / sample`` (above 1: that pass ran faster than the figures' medians).
+    Their range is the drift the calibration saw; two calibrations can differ by as much."""
+    return [statistics.median(seconds[key] / s for key, s in samples if s > 0) for samples in per_pass if samples]
+
+
 def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int], None] | None = None,
               timeout: float = 300.0, interference: Interference | None = None) -> Profile:
     """Measure this machine on a ``settings.ranks``-rank local world and return a :class:`Profile`.
@@ -349,6 +356,7 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
         return results
 
     samples: dict[tuple, list[float]] = {}
+    per_pass: list[list[tuple[tuple, float]]] = []
     with LocalWorld(settings.ranks, threads=threads) as w:
         watch.start()
         say("building and warming up every kernel and collective", 0, total)
@@ -357,8 +365,9 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
             keys = probes(settings, i)
             say(f"pass {i + 1}/{settings.passes}: {len(keys)} kernels, merges and collectives", i + 1, total)
             res = checked(w.run(rank_pass, timeout=timeout, index=i))
-            for j, key in enumerate(keys):
-                samples.setdefault(key, []).append(max(r[j] for r in res))  # the slowest rank
+            per_pass.append([(key, max(r[j] for r in res)) for j, key in enumerate(keys)])  # the slowest rank
+            for key, seconds in per_pass[-1]:
+                samples.setdefault(key, []).append(seconds)
         checked(w.run(rank_release, timeout=timeout))
         watch.stop()
     say("done", total, total)
@@ -383,7 +392,8 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
             "kernel_shape": f"b={settings.batch} h={settings.heads}:{settings.kv_heads} d={settings.head_dim} "
                             f"{settings.dtype}",
             "load_before": f"{watch.load_before:.2f}", "interference": f"{watch.share:.3f}",
-            "passes": str(settings.passes)}
+            "passes": str(settings.passes),
+            "pass_speed": " ".join(f"{x:.3f}" for x in pass_speeds(per_pass, seconds))}
     return Profile(tuple(points), links, memory_bandwidth, overlap, cores, settings.ranks, threads,
                    int(psutil.virtual_memory().total), host)
 
@@ -440,4 +450,4 @@ def combine(profiles: list[Profile]) -> Profile:
 
 
 __all__ = ["CALIBRATED_OPS", "QUICK", "Interference", "Settings", "calibrate", "combine", "fit_link", "is_rate",
-           "kernel_jobs", "probes", "rates", "spread"]
+           "kernel_jobs", "pass_speeds", "probes", "rates", "spread"]
