@@ -6,7 +6,10 @@ once against the one-process result before it is timed; a wrong schedule is repo
 Times are the median over iterations of the slowest rank's time. A masked configuration also times
 dense causal attention in one process (for the mask efficiency) and, as a peer, FlexAttention. With
 ``timeline=True`` every rank stamps one more forward and backward (``cpattn.core.trace.timeline``), which
-becomes each row's Chrome trace (:func:`write_traces`) and its hidden transfer fraction.
+becomes each row's Chrome trace (:func:`write_traces`) and its hidden transfer fraction. With
+``speed_probe=True`` (``bench --predict``) every rank also times a few reference kernels before each timed
+iteration (:data:`SPEED_PROBE`), so :func:`predict` can tell how fast the machine ran during each row
+against its calibration profile.
 """
 
 from __future__ import annotations
@@ -26,12 +29,18 @@ import torch
 from . import memory
 from .core import masks, trace
 from .core.kernels import DTYPES
-from .core.steps import attention_flops
+from .core.steps import Kernel, attention_flops
 from .timeline import fraction_text
 from .verify import assemble
 
 #: relative error against the one-process result above which a schedule is reported wrong
 CHECK_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2, "float16": 1e-2}
+
+#: the speed probe of ``bench --predict``: the forward and backward of one block of each ``(kind, side)``,
+#: timed on every rank at once before each timed iteration (:func:`probe_blocks`, :func:`probe_speed`).
+#: Over 100 two-rank samples, 8-sample windows of this probe and of an 8192 x 8192 causal backward plus a 4096
+#: x 4096 full forward moved together (window speeds 0.98-1.11, their ratio within 0.95-1.02).
+SPEED_PROBE = (("full", 1024), ("causal", 2048))
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class BenchRow:
     pred_fwd_bwd_s: float = float("nan")
     pred_fwd_error: float = float("nan")  # (predicted - measured) / measured
     pred_error: float = float("nan")  # forward + backward
+    speed: float = float("nan")  # the machine's speed during the row against the profile (see probe_speed)
     hidden_fraction: float = float("nan")  # with a timeline: transfer time hidden behind kernel calls, mean over ranks
     extra: dict = field(default_factory=dict)
 
@@ -93,11 +103,44 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool = False) -> dict:
+def probe_blocks(cfg: BenchConfig) -> list[tuple[str, int]]:
+    """The speed probe's blocks ``(kind, side)`` for ``cfg``: :data:`SPEED_PROBE`, each side at most a
+    rank's share of the sequence (and at least 64)."""
+    share = max(64, cfg.seq // cfg.world)
+    return [(kind, min(side, share)) for kind, side in SPEED_PROBE]
+
+
+def _probe_calls(cfg: BenchConfig) -> list[Callable[[], object]]:
+    """The forward and backward call of every :func:`probe_blocks` block, in the run's shape (calibration's
+    kernel calls, so the probe times what the profile measured)."""
+    from .lab.calibrate import Settings, kernel_calls
+
+    shape = Settings(batch=cfg.batch, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype)
+    return [call for kind, side in probe_blocks(cfg) for call in kernel_calls(shape, kind, side, 1).values()]
+
+
+def probe_speed(probe: dict, problem, device) -> float:
+    """The machine's speed during one row against the profile: per probe sample, the seconds ``device``
+    (the topology's: the profile's rates, shared between the ranks as in the estimates) gives the probe's
+    kernel calls (launch + FLOPs / rate: the calls alone, as calibration timed them, without the epilogue
+    an estimate adds for folding a result into accumulators) over the measured seconds (the slowest
+    rank's); the median over samples (above 1: faster than calibrated). ``probe``: ``{"blocks": [(kind,
+    side)], "seconds": [...]}`` (a row's ``extra["speed_probe"]``); NaN without samples."""
+    calls = [(Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n), phase)
+             for kind, n in probe["blocks"] for phase in ("forward", "backward")]
+    expected = sum(device.launch + k.flops(problem, phase) / device.rate(phase, k.kind, k.q_len, k.kv_len)
+                   for k, phase in calls)
+    samples = [expected / sec for sec in probe["seconds"] if sec > 0]
+    return statistics.median(samples) if samples else float("nan")
+
+
+def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool = False,
+               probe: bool = False) -> dict:
     """Runs on every rank: one checked call, then warm-up and timed iterations. The one-process
     ``baseline`` ignores the topology and layout. ``timeline``: then one more forward and backward,
     after a barrier, with ``cpattn.core.trace.timeline`` active (marks "forward", "backward", "end"), returned
-    as ``"timeline"``."""
+    as ``"timeline"``. ``probe`` (on a CPU): before each timed iteration, after a barrier, one sample of the
+    speed probe (:func:`probe_blocks`; seconds in ``"probe"``)."""
     from .api import ContextParallel
     from .core.layout import work_report
     from .core.topology import Topology
@@ -113,6 +156,8 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool 
     work = work_report(cp.layout, cp.mask, cp.padded_len, cp.world_size, cp.seq_len) if cp.rank == 0 else None
     q, k, v, dout = (cp.shard(x[n]) for n in ("q", "k", "v", "dout"))
     del x
+    probe_calls = _probe_calls(c) if probe and device.type == "cpu" else []
+    probed: list[float] = []
 
     def step(backward: bool):
         qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
@@ -133,6 +178,12 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool 
     traffic = cp.comm_stats()["total"]
     for phase, backward in (("fwd", False), ("fwd_bwd", True)):
         for it in range(c.warmup + c.iters):
+            if probe_calls and it >= c.warmup:
+                cp.comm.barrier()
+                t0 = time.perf_counter()
+                for call in probe_calls:
+                    call()
+                probed.append(time.perf_counter() - t0)
             cp.comm.barrier()
             t0 = time.perf_counter()
             step(backward)
@@ -151,7 +202,7 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool 
         stamped = tl.as_dict()
     return {"rank": cp.rank, "positions": cp.positions().numpy(), "check": check, "times": times,
             "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"],
-            "wire_sent": traffic["wire_sent"], "peak": mem.peak_bytes, "timeline": stamped,
+            "wire_sent": traffic["wire_sent"], "peak": mem.peak_bytes, "timeline": stamped, "probe": probed,
             "work": None if work is None else {"max": work.max, "mean": work.mean, "imbalance": work.imbalance}}
 
 
@@ -272,7 +323,7 @@ def rank_flex(cfg: dict) -> dict:
 
 
 def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: float = 1800.0,
-        flex: bool | None = None, timeline: bool = False) -> dict:
+        flex: bool | None = None, timeline: bool = False, speed_probe: bool = False) -> dict:
     """Benchmark ``schedule_names``; returns ``{"config", "baseline", "rows", "environment"}``.
 
     A masked configuration (:func:`is_masked`) also times dense causal attention in the one-process
@@ -280,7 +331,10 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
     :func:`mask_efficiency`. ``flex`` adds the FlexAttention peer (:func:`rank_flex`,
     ``baseline["flex"]``); None = only for a masked configuration. ``timeline``: each schedule stamps one
     more forward and backward on every rank; its row gets ``hidden_fraction`` and ``extra["timeline"]``
-    (:func:`cpattn.timeline.summary` of the aligned ranks, with their ``spans``)."""
+    (:func:`cpattn.timeline.summary` of the aligned ranks, with their ``spans``). ``speed_probe`` (on a
+    CPU): each schedule's ranks also time the speed probe before each timed iteration; its row gets
+    ``extra["speed_probe"]`` (``{"blocks", "seconds"}``: per sample, the slowest rank), which
+    :func:`predict` turns into the row's ``speed``."""
     from . import schedules
     from . import timeline as timelines
     from .launcher import LocalWorld, RankError
@@ -333,7 +387,8 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
     with LocalWorld(cfg.world, threads=tpr) as w:
         for name in schedule_names:
             say(f"{name} on {cfg.world} ranks")
-            res = w.run(rank_bench, timeout=timeout, name=name, schedule=name, cfg=asdict(cfg), timeline=timeline)
+            res = w.run(rank_bench, timeout=timeout, name=name, schedule=name, cfg=asdict(cfg), timeline=timeline,
+                        probe=speed_probe)
             row = BenchRow(name)
             if fail(res):
                 row.ok, row.note = False, fail(res)
@@ -352,6 +407,9 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
             row.wire_sent = max(r["wire_sent"] for r in res)
             row.peak_mem_bytes = max(r["peak"] for r in res)
             row.extra["work"] = res[0]["work"]
+            if res[0]["probe"]:
+                row.extra["speed_probe"] = {"blocks": probe_blocks(cfg),
+                                            "seconds": [max(samples) for samples in zip(*(r["probe"] for r in res))]}
             if causal is not None:
                 row.mask_efficiency = mask_efficiency(causal_fb, mask, cfg.seq, row.fwd_bwd_s)
                 row.fwd_mask_efficiency = mask_efficiency(causal_f, mask, cfg.seq, row.fwd_s)
@@ -400,6 +458,11 @@ def predict(result: dict, profile=None) -> dict:
     defaults); ``ultra`` from its plan for that topology (on a CPU, the plan its ranks ran). A schedule
     the model cannot estimate keeps NaN and says why in ``extra["prediction"]``. ``result["prediction"]``
     gets the topology used and the median absolute error over the rows.
+
+    A row run with the speed probe (``run(speed_probe=True)``) gets ``speed`` (:func:`probe_speed`: how fast
+    the machine ran during that row against the profile), and its predictions are the model's over that
+    speed; the model's own, at the profile's speed, and their errors stay in ``extra["at_profile_speed"]``
+    (``fwd_s``, ``fwd_bwd_s``, ``fwd_error``, ``error``). The terms are always at the profile's speed.
     """
     from .cost import Problem, estimate
 
@@ -419,6 +482,12 @@ def predict(result: dict, profile=None) -> dict:
             continue
         fwd, both = est_fwd.total, est_both.total
         row["extra"]["prediction_terms"] = {"forward": est_fwd.terms(), "forward+backward": est_both.terms()}
+        row["extra"]["at_profile_speed"] = {"fwd_s": fwd, "fwd_bwd_s": both, "fwd_error": (fwd - row["fwd_s"]) /
+                                            row["fwd_s"], "error": (both - row["fwd_bwd_s"]) / row["fwd_bwd_s"]}
+        probe = row["extra"].get("speed_probe")
+        row["speed"] = probe_speed(probe, problem, topo.device) if probe else float("nan")
+        if np.isfinite(row["speed"]):
+            fwd, both = fwd / row["speed"], both / row["speed"]
         row["pred_fwd_s"], row["pred_fwd_bwd_s"] = fwd, both
         row["pred_fwd_error"] = (fwd - row["fwd_s"]) / row["fwd_s"]
         row["pred_error"] = (both - row["fwd_bwd_s"]) / row["fwd_bwd_s"]
@@ -428,12 +497,19 @@ def predict(result: dict, profile=None) -> dict:
 
 def prediction_summary(results: list[dict]) -> dict:
     """Median absolute relative prediction error over every predicted row of ``results`` (forward +
-    backward, and forward), with the number of rows."""
+    backward, and forward), with the number of rows; and, where rows were probed (:func:`probe_speed`), the
+    median absolute error of the model at the profile's speed (``median_abs_error_at_profile_speed``) and the
+    range of the probed speeds (``speed``: ``[lowest, median, highest]``), else NaN and None."""
     rows = [r for res in results for r in res["rows"] if r["ok"] and np.isfinite(r["pred_error"])]
     if not rows:
-        return {"rows": 0, "median_abs_error": float("nan"), "median_abs_fwd_error": float("nan")}
+        return {"rows": 0, "median_abs_error": float("nan"), "median_abs_fwd_error": float("nan"),
+                "median_abs_error_at_profile_speed": float("nan"), "speed": None}
+    speeds = [r["speed"] for r in rows if np.isfinite(r.get("speed", float("nan")))]
     return {"rows": len(rows), "median_abs_error": statistics.median(abs(r["pred_error"]) for r in rows),
-            "median_abs_fwd_error": statistics.median(abs(r["pred_fwd_error"]) for r in rows)}
+            "median_abs_fwd_error": statistics.median(abs(r["pred_fwd_error"]) for r in rows),
+            "median_abs_error_at_profile_speed": statistics.median(abs(r["extra"]["at_profile_speed"]["error"])
+                                                                   for r in rows) if speeds else float("nan"),
+            "speed": [min(speeds), statistics.median(speeds), max(speeds)] if speeds else None}
 
 
 #: the order in which the bench table leaves out columns in a narrow terminal (1 first); the schedule,
@@ -485,6 +561,9 @@ def render(result: dict, width: int | None = None):
     if predicted:
         caption += (f"; predicted on topology {result['prediction']['topology']!r}, "
                     "error = (predicted - measured) / measured")
+        if result["prediction"].get("speed"):
+            caption += ("; predictions at the machine's speed during each row (speed probe; the prediction "
+                        "breakdown has the model's at the profile's speed)")
     traced = any("timeline" in r["extra"] for r in result["rows"] if r["ok"])
     if traced:
         caption += ("; hidden = share of the time transfers are in flight (issue to end of wait) during which a "
@@ -542,19 +621,30 @@ def render_breakdown(result: dict, width: int | None = None):
 
     rows = [r for r in result["rows"] if r["ok"] and "prediction_terms" in r["extra"]]
     traced = any("timeline" in r["extra"] for r in rows)
+    probed = any(np.isfinite(r.get("speed", float("nan"))) for r in rows)
     headers = ["schedule", "kernels", *(["meas kernels"] if traced else []), "merges", "launch", "exposed comm",
-               "predicted", "measured", "pred err"]
-    drop = {"launch": 1, "meas kernels": 2, "merges": 3}
+               *(["model", "model err", "speed"] if probed else []), "predicted", "measured", "pred err"]
+    drop = {"launch": 1, "meas kernels": 2, "merges": 3, "model": 4}
     cols = [Column(h, "left" if h == "schedule" else "right", drop=drop.get(h, 0)) for h in headers]
     cells = []
     for r in rows:
         t = r["extra"]["prediction_terms"]["forward+backward"]
+        model = r["extra"]["at_profile_speed"]
         cells.append([r["schedule"], f"{t['kernels'] * 1e3:.1f}",
                       *([f"{measured_kernel_s(r) * 1e3:.1f}"] if traced else []),
                       f"{t['merge'] * 1e3:.1f}", f"{t['launch'] * 1e3:.1f}", f"{t['exposed_comm'] * 1e3:.1f}",
+                      *([f"{model['fwd_bwd_s'] * 1e3:.1f}", f"{model['error']:+.0%}", f"{r['speed']:.3f}"]
+                        if probed else []),
                       f"{r['pred_fwd_bwd_s'] * 1e3:.1f}", f"{r['fwd_bwd_s'] * 1e3:.1f}", f"{r['pred_error']:+.0%}"])
     caption = ("forward+backward, ms; predicted = kernels + merges + launch + exposed comm (the cost model's terms, "
                "busiest rank per step)")
+    if probed:
+        caption = ("forward+backward, ms; model = kernels + merges + launch + exposed comm (the cost model's terms "
+                   "at the profile's speed, busiest rank per step); speed = how fast the machine ran during the row "
+                   "against the profile: the model's time for the speed probe's kernels (fwd+bwd of "
+                   + " and ".join(f"{kind} {n}x{n}" for kind, n in rows[0]["extra"]["speed_probe"]["blocks"])
+                   + ", every rank at once, before each timed iteration) over their measured time, median over "
+                   "samples; predicted = model / speed")
     if traced:
         caption += "; meas kernels = the busiest rank's kernel calls in one stamped step"
     return table(cols, cells, title="prediction breakdown", caption=caption, width=width)

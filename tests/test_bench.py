@@ -138,10 +138,14 @@ def test_bench_flex_peer_runs_compiled_and_checked():
 
 def test_bench_runs_checks_and_renders(tmp_path):
     cfg = bench.BenchConfig(world=2, seq=128, heads=4, kv_heads=2, head_dim=16, warmup=0, iters=1)
-    result = bench.run(cfg, ["ring", "zigzag_ring", "allgather"])
+    result = bench.run(cfg, ["ring", "zigzag_ring", "allgather"], speed_probe=True)
     rows = {r["schedule"]: r for r in result["rows"]}
     assert list(rows) == ["ring", "zigzag_ring", "allgather"]
     assert all(r["ok"] for r in rows.values()), rows
+    for r in rows.values():  # a probe sample before each timed iteration of each phase, blocks cut to a rank's share
+        probe = r["extra"]["speed_probe"]
+        assert probe["blocks"] == [("full", 64), ("causal", 64)] and len(probe["seconds"]) == 2 * cfg.iters
+        assert all(sec > 0 for sec in probe["seconds"])
     base = result["baseline"]["fwd_bwd_s"]
     for r in rows.values():
         assert r["error"] < 1e-5 and r["fwd_bwd_s"] > 0 and r["bytes_sent"] > 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
+import statistics
 import time
 
 import pytest
@@ -87,6 +89,42 @@ def test_bench_breakdown_shows_every_term_next_to_the_measured_time(tmp_path, mo
     narrow = io.StringIO()
     Console(file=narrow, width=60).print(bench.render_breakdown(result, width=60))
     assert max(len(line) for line in narrow.getvalue().splitlines()) <= 60
+
+
+def test_the_speed_probe_puts_predictions_at_the_speed_the_machine_ran(tmp_path, monkeypatch):
+    """A row whose probe ran 1.25 times faster than the model gives its kernels is predicted at 1/1.25 of
+    the model's time; the model's own prediction and error stay in the row, and the breakdown shows both."""
+    monkeypatch.setenv(profile.PROFILE_ENV, str(tmp_path / "none.json"))
+    cfg = bench.BenchConfig(world=2, seq=4096, mask="causal")
+    blocks = bench.probe_blocks(cfg)
+    assert blocks == list(bench.SPEED_PROBE) and bench.probe_blocks(dataclasses.replace(cfg, seq=512)) == \
+        [("full", 256), ("causal", 256)]
+    device = bench.emulated_topology(2, 1, 1, 2, profile=None).device
+    expected = 0.0
+    for kind, n in blocks:  # the probe's calls at the device's rates (no epilogue: calibration timed calls alone)
+        for phase in ("forward", "backward"):
+            pairs = n * (n + 1) // 2 if kind == "causal" else n * n
+            flops = 4 * cfg.batch * cfg.heads * cfg.head_dim * pairs * (2.5 if phase == "backward" else 1.0)
+            expected += device.launch + flops / device.rate(phase, kind, n, n)
+    seconds = [expected / 1.2, expected / 1.25, expected / 1.3]
+    rows = [dataclasses.asdict(bench.BenchRow(n, fwd_s=0.1, fwd_bwd_s=0.3)) for n in ("ring", "zigzag_ring")]
+    rows[0]["extra"]["speed_probe"] = {"blocks": blocks, "seconds": seconds}
+    result = bench.predict({"config": dataclasses.asdict(cfg), "rows": rows, "baseline": {},
+                            "environment": {"cores": 2, "threads_per_rank": 1}})
+    probed, plain = result["rows"]
+    assert probed["speed"] == pytest.approx(1.25)
+    model = probed["extra"]["at_profile_speed"]
+    assert probed["pred_fwd_bwd_s"] == pytest.approx(model["fwd_bwd_s"] / probed["speed"])
+    assert model["error"] == pytest.approx(model["fwd_bwd_s"] / 0.3 - 1)
+    assert math.isnan(plain["speed"]) and plain["pred_fwd_bwd_s"] == plain["extra"]["at_profile_speed"]["fwd_bwd_s"]
+    summary = result["prediction"]
+    assert summary["speed"] == [probed["speed"]] * 3
+    assert summary["median_abs_error_at_profile_speed"] == pytest.approx(
+        statistics.median(abs(r["extra"]["at_profile_speed"]["error"]) for r in result["rows"]))
+    text = io.StringIO()
+    Console(file=text, width=200).print(bench.render_breakdown(result, width=200))
+    shown = text.getvalue()
+    assert "speed" in shown and "model err" in shown and f"{probed['speed']:.3f}" in shown
 
 
 def test_a_pass_spreads_the_samples_of_every_figure():

@@ -38,7 +38,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="time torch FlexAttention (torch.compile, forward only, one process) as a peer column; "
                         "default: only for a masked configuration (neither causal nor full)")
     b.add_argument("--predict", action="store_true",
-                   help="add the cost model's prediction and its error to each row, and the median |error|")
+                   help="add the cost model's prediction and its error to each row, and the median |error|; a "
+                        "speed probe (a few reference kernels before each timed iteration) measures how fast the "
+                        "machine runs against its calibration, and predictions are at that speed")
     b.add_argument("--profile", help="calibration profile for --predict (default: the one `cpattn calibrate` wrote)")
     b.add_argument("--json", metavar="PATH",
                    help="also write the rows as JSON to PATH (several configurations: {runs: [...]}); '-': to "
@@ -125,7 +127,7 @@ def run(args) -> int:
                           + " (`cpattn schedules` lists what each runs)", soft_wrap=True)
         with console.status("starting") as status:
             result = bench.run(cfg, names, progress=lambda msg, status=status: status.update(f"bench: {msg}"),
-                               flex=args.flex, timeline=stamp)
+                               flex=args.flex, timeline=stamp, speed_probe=args.predict)
         if args.predict:
             bench.predict(result, profile)
         if args.trace:
@@ -137,9 +139,14 @@ def run(args) -> int:
         results.append(result)
     if args.predict:
         summary = bench.prediction_summary(results)
-        out.print(f"prediction error over {summary['rows']} schedule runs: median |error| "
-                       f"{summary['median_abs_error']:.1%} forward+backward, {summary['median_abs_fwd_error']:.1%} "
-                       "forward")
+        line = (f"prediction error over {summary['rows']} schedule runs: median |error| "
+                f"{summary['median_abs_error']:.1%} forward+backward, {summary['median_abs_fwd_error']:.1%} forward")
+        if summary["speed"]:
+            lo, mid, hi = summary["speed"]
+            line += (f"; the machine ran at {mid:.3f} x its calibrated speed (rows {lo:.3f}-{hi:.3f}, speed probe), "
+                     f"at which the predictions are; at the profile's speed: "
+                     f"{summary['median_abs_error_at_profile_speed']:.1%} forward+backward")
+        out.print(line)
     if args.json:
         save_json(results[0] if len(results) == 1 else
                   {"runs": results, "prediction": bench.prediction_summary(results) if args.predict else None},

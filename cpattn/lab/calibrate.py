@@ -101,7 +101,7 @@ def kernel_jobs(s: Settings) -> list[tuple[str, int, int]]:
     return jobs + [("partial", n, 1) for n in s.partial_sizes]
 
 
-def _kernel_calls(s: Settings, kind: str, n: int, pieces: int) -> dict[str, Callable[[], object]]:
+def kernel_calls(s: Settings, kind: str, n: int, pieces: int) -> dict[str, Callable[[], object]]:
     """The forward and backward call of a ``kind`` kernel of side ``n``, or of one stacked call of
     ``pieces`` such blocks (``kernels.forward_stacked``) when ``pieces > 1``."""
     s = replace(s, batch=s.batch * pieces)
@@ -214,13 +214,13 @@ def rank_prepare(settings: dict) -> int:
     s = Settings(**settings)
     comm = Communicator()
     calls: dict[tuple, Callable[[], object]] = {}
-    kernel_calls = {job: _kernel_calls(s, *job) for job in kernel_jobs(s)}
+    built = {job: kernel_calls(s, *job) for job in kernel_jobs(s)}
     overlap_n = min(s.sizes[len(s.sizes) // 2], 2048)
     overlap = _overlap_calls(comm, s, overlap_n, max(s.message_bytes))
     every = [probes(s, i) for i in range(min(s.passes, s.large_every))]
     for key in dict.fromkeys(key for keys in every for key in keys):
         if key[0] == "kernel":
-            calls[key] = kernel_calls[key[1:4]][key[4]]
+            calls[key] = built[key[1:4]][key[4]]
         elif key[0] == "merge":
             calls[key] = _merge_call(s, key[1])
         elif key[0] == "op":
@@ -450,4 +450,4 @@ def combine(profiles: list[Profile]) -> Profile:
 
 
 __all__ = ["CALIBRATED_OPS", "QUICK", "Interference", "Settings", "calibrate", "combine", "fit_link", "is_rate",
-           "kernel_jobs", "pass_speeds", "probes", "rates", "spread"]
+           "kernel_calls", "kernel_jobs", "pass_speeds", "probes", "rates", "spread"]
