@@ -37,10 +37,14 @@ from .verify import assemble
 CHECK_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2, "float16": 1e-2}
 
 #: the speed probe of ``bench --predict``: the forward and backward of one block of each ``(kind, side)``,
-#: timed on every rank at once before each timed iteration (:func:`probe_blocks`, :func:`probe_speed`).
+#: timed on every rank at once before each timed iteration (:func:`probe_blocks`, :func:`probe_speeds`).
 #: Over 100 two-rank samples, 8-sample windows of this probe and of an 8192 x 8192 causal backward plus a 4096
 #: x 4096 full forward moved together (window speeds 0.98-1.11, their ratio within 0.95-1.02).
 SPEED_PROBE = (("full", 1024), ("causal", 2048))
+
+#: the probed rows on each side of a row whose probe samples set its speed (:func:`predict`): a row's own
+#: 4-6 samples carry the second-to-second jitter, a whole configuration's miss the drift within it
+SPEED_WINDOW = 1
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class BenchRow:
     pred_fwd_bwd_s: float = float("nan")
     pred_fwd_error: float = float("nan")  # (predicted - measured) / measured
     pred_error: float = float("nan")  # forward + backward
-    speed: float = float("nan")  # the machine's speed during the row against the profile (see probe_speed)
+    speed: float = float("nan")  # the machine's speed during the row against the profile (see predict)
     hidden_fraction: float = float("nan")  # with a timeline: transfer time hidden behind kernel calls, mean over ranks
     extra: dict = field(default_factory=dict)
 
@@ -119,19 +123,18 @@ def _probe_calls(cfg: BenchConfig) -> list[Callable[[], object]]:
     return [call for kind, side in probe_blocks(cfg) for call in kernel_calls(shape, kind, side, 1).values()]
 
 
-def probe_speed(probe: dict, problem, device) -> float:
-    """The machine's speed during one row against the profile: per probe sample, the seconds ``device``
-    (the topology's: the profile's rates, shared between the ranks as in the estimates) gives the probe's
-    kernel calls (launch + FLOPs / rate: the calls alone, as calibration timed them, without the epilogue
-    an estimate adds for folding a result into accumulators) over the measured seconds (the slowest
-    rank's); the median over samples (above 1: faster than calibrated). ``probe``: ``{"blocks": [(kind,
-    side)], "seconds": [...]}`` (a row's ``extra["speed_probe"]``); NaN without samples."""
+def probe_speeds(probe: dict, problem, device) -> list[float]:
+    """The machine's speed against the profile in each sample of one row's speed probe: the seconds
+    ``device`` (the topology's: the profile's rates, shared between the ranks as in the estimates) gives the
+    probe's kernel calls (launch + FLOPs / rate: the calls alone, as calibration timed them, without the
+    epilogue an estimate adds for folding a result into accumulators) over the measured seconds (the
+    slowest rank's); above 1: faster than calibrated. ``probe``: ``{"blocks": [(kind, side)], "seconds":
+    [...]}`` (a row's ``extra["speed_probe"]``)."""
     calls = [(Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n), phase)
              for kind, n in probe["blocks"] for phase in ("forward", "backward")]
     expected = sum(device.launch + k.flops(problem, phase) / device.rate(phase, k.kind, k.q_len, k.kv_len)
                    for k, phase in calls)
-    samples = [expected / sec for sec in probe["seconds"] if sec > 0]
-    return statistics.median(samples) if samples else float("nan")
+    return [expected / sec for sec in probe["seconds"] if sec > 0]
 
 
 def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool = False,
@@ -447,7 +450,7 @@ def emulated_topology(world: int, nodes: int, threads_per_rank: int, cores: int,
                  cores=cores, nodes=nodes)
 
 
-def predict(result: dict, profile=None) -> dict:
+def predict(result: dict, profile=None, speed_window: int | None = SPEED_WINDOW) -> dict:
     """Add the cost model's predictions to a :func:`run` result (in place; also returned).
 
     Each row gains ``pred_fwd_s``, ``pred_fwd_bwd_s`` and the relative errors ``pred_fwd_error`` and
@@ -459,10 +462,12 @@ def predict(result: dict, profile=None) -> dict:
     the model cannot estimate keeps NaN and says why in ``extra["prediction"]``. ``result["prediction"]``
     gets the topology used and the median absolute error over the rows.
 
-    A row run with the speed probe (``run(speed_probe=True)``) gets ``speed`` (:func:`probe_speed`: how fast
-    the machine ran during that row against the profile), and its predictions are the model's over that
-    speed; the model's own, at the profile's speed, and their errors stay in ``extra["at_profile_speed"]``
-    (``fwd_s``, ``fwd_bwd_s``, ``fwd_error``, ``error``). The terms are always at the profile's speed.
+    Rows run with the speed probe (``run(speed_probe=True)``) get ``speed``: how fast the machine ran
+    against the profile, the median of the :func:`probe_speeds` samples of the row and of the
+    ``speed_window`` probed rows before and after it (None: of every probed row of the configuration), and
+    their predictions are the model's over that speed; the model's own, at the profile's speed, and their
+    errors stay in ``extra["at_profile_speed"]`` (``fwd_s``, ``fwd_bwd_s``, ``fwd_error``, ``error``). The
+    terms are always at the profile's speed.
     """
     from .cost import Problem, estimate
 
@@ -471,6 +476,12 @@ def predict(result: dict, profile=None) -> dict:
     topo = emulated_topology(cfg["world"], nodes, env["threads_per_rank"], env["cores"], profile)
     problem = Problem(cfg["seq"], cfg["world"], cfg["mask"], cfg["batch"], cfg["heads"], cfg["kv_heads"],
                       cfg["head_dim"], cfg["dtype"])
+    probed = [(row, probe_speeds(row["extra"]["speed_probe"], problem, topo.device)) for row in result["rows"]
+              if row["ok"] and row["extra"].get("speed_probe")]
+    for i, (row, _) in enumerate(probed):
+        near = probed if speed_window is None else probed[max(0, i - speed_window):i + speed_window + 1]
+        samples = [x for _, speeds in near for x in speeds]
+        row["speed"] = statistics.median(samples) if samples else float("nan")
     for row in result["rows"]:
         if not row["ok"]:
             continue
@@ -484,9 +495,7 @@ def predict(result: dict, profile=None) -> dict:
         row["extra"]["prediction_terms"] = {"forward": est_fwd.terms(), "forward+backward": est_both.terms()}
         row["extra"]["at_profile_speed"] = {"fwd_s": fwd, "fwd_bwd_s": both, "fwd_error": (fwd - row["fwd_s"]) /
                                             row["fwd_s"], "error": (both - row["fwd_bwd_s"]) / row["fwd_bwd_s"]}
-        probe = row["extra"].get("speed_probe")
-        row["speed"] = probe_speed(probe, problem, topo.device) if probe else float("nan")
-        if np.isfinite(row["speed"]):
+        if np.isfinite(row.get("speed", float("nan"))):
             fwd, both = fwd / row["speed"], both / row["speed"]
         row["pred_fwd_s"], row["pred_fwd_bwd_s"] = fwd, both
         row["pred_fwd_error"] = (fwd - row["fwd_s"]) / row["fwd_s"]
@@ -497,7 +506,7 @@ def predict(result: dict, profile=None) -> dict:
 
 def prediction_summary(results: list[dict]) -> dict:
     """Median absolute relative prediction error over every predicted row of ``results`` (forward +
-    backward, and forward), with the number of rows; and, where rows were probed (:func:`probe_speed`), the
+    backward, and forward), with the number of rows; and, where rows were probed (:func:`probe_speeds`), the
     median absolute error of the model at the profile's speed (``median_abs_error_at_profile_speed``) and the
     range of the probed speeds (``speed``: ``[lowest, median, highest]``), else NaN and None."""
     rows = [r for res in results for r in res["rows"] if r["ok"] and np.isfinite(r["pred_error"])]
@@ -644,7 +653,7 @@ def render_breakdown(result: dict, width: int | None = None):
                    "against the profile: the model's time for the speed probe's kernels (fwd+bwd of "
                    + " and ".join(f"{kind} {n}x{n}" for kind, n in rows[0]["extra"]["speed_probe"]["blocks"])
                    + ", every rank at once, before each timed iteration) over their measured time, median over "
-                   "samples; predicted = model / speed")
+                   "the samples of the row and of the rows next to it; predicted = model / speed")
     if traced:
         caption += "; meas kernels = the busiest rank's kernel calls in one stamped step"
     return table(cols, cells, title="prediction breakdown", caption=caption, width=width)

@@ -60,6 +60,40 @@ def test_calibration_differences_and_median():
     assert mid.links["sendrecv"] == Link(5e-5, 1.05 * 2e9)
 
 
+def test_calibrations_compared_at_a_common_speed():
+    """A machine that ran 7% faster in the second calibration moves every rate by 7%: at a common speed the
+    two agree, save the one rate that moved on its own."""
+    a = _profile()
+    b = calibrate.at_speed(a, 1.07)
+    rates_a, rates_b = calibrate.rates(a), calibrate.rates(b)
+    assert rates_b["backward causal 256x256"] == pytest.approx(1.07 * rates_a["backward causal 256x256"])
+    assert rates_b["sendrecv bandwidth"] == pytest.approx(1.07 * 2e9)
+    assert rates_b["sendrecv latency"] == pytest.approx(5e-5 / 1.07) and rates_b["overlap"] == 0.4
+    assert rates_b["memory bandwidth"] == pytest.approx(1.07 * 8e9)
+    off = dataclasses.replace(b, kernels=tuple(dataclasses.replace(p, flop_per_s=p.flop_per_s * 1.1)
+                                               if (p.phase, p.kind, p.q_len) == ("forward", "full", 256) else p
+                                               for p in b.kernels))
+    speeds = calibrate.levels([a, off])
+    assert speeds == pytest.approx([1.0, 1.07])
+    assert calibrate.spread([a, off])["backward full 1024x1024"][2] == pytest.approx(0.07)
+    common = calibrate.spread([calibrate.at_speed(p, 1 / v) for p, v in zip([a, off], speeds)])
+    assert common["backward full 1024x1024"][2] == pytest.approx(0.0, abs=1e-12)
+    assert common["sendrecv bandwidth"][2] == pytest.approx(0.0, abs=1e-12)
+    assert common["forward full 256x256"][2] == pytest.approx(0.1)
+
+
+def test_calibrate_repeat_prints_the_differences_as_measured_and_at_a_common_speed(tmp_path, capsys):
+    from cpattn import cli
+
+    path = tmp_path / "profile.json"
+    assert cli.main(["calibrate", "--quick", "--repeat", "2", "--profile", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "at a common speed" in out and "overall speed of each calibration against the first" in out
+    assert "largest difference between the calibrations:" in out and path.exists()
+    first = out.split("overall speed of each calibration against the first (median kernel rate): ")[1].split()[0]
+    assert first.rstrip(",") == "1.000"
+
+
 def test_a_busy_machine_is_reported():
     watch = calibrate.Interference()
     watch.start()
@@ -93,7 +127,8 @@ def test_bench_breakdown_shows_every_term_next_to_the_measured_time(tmp_path, mo
 
 def test_the_speed_probe_puts_predictions_at_the_speed_the_machine_ran(tmp_path, monkeypatch):
     """A row whose probe ran 1.25 times faster than the model gives its kernels is predicted at 1/1.25 of
-    the model's time; the model's own prediction and error stay in the row, and the breakdown shows both."""
+    the model's time; the model's own prediction and error stay in the row, and the breakdown shows both.
+    The speed of a row is the median of its samples and those of its neighbours in the window."""
     monkeypatch.setenv(profile.PROFILE_ENV, str(tmp_path / "none.json"))
     cfg = bench.BenchConfig(world=2, seq=4096, mask="causal")
     blocks = bench.probe_blocks(cfg)
@@ -106,23 +141,30 @@ def test_the_speed_probe_puts_predictions_at_the_speed_the_machine_ran(tmp_path,
             pairs = n * (n + 1) // 2 if kind == "causal" else n * n
             flops = 4 * cfg.batch * cfg.heads * cfg.head_dim * pairs * (2.5 if phase == "backward" else 1.0)
             expected += device.launch + flops / device.rate(phase, kind, n, n)
-    seconds = [expected / 1.2, expected / 1.25, expected / 1.3]
-    rows = [dataclasses.asdict(bench.BenchRow(n, fwd_s=0.1, fwd_bwd_s=0.3)) for n in ("ring", "zigzag_ring")]
-    rows[0]["extra"]["speed_probe"] = {"blocks": blocks, "seconds": seconds}
-    result = bench.predict({"config": dataclasses.asdict(cfg), "rows": rows, "baseline": {},
-                            "environment": {"cores": 2, "threads_per_rank": 1}})
-    probed, plain = result["rows"]
-    assert probed["speed"] == pytest.approx(1.25)
+
+    def result(window):
+        rows = [dataclasses.asdict(bench.BenchRow(n, fwd_s=0.1, fwd_bwd_s=0.3))
+                for n in ("ring", "zigzag_ring", "allgather")]
+        rows[0]["extra"]["speed_probe"] = {"blocks": blocks, "seconds": [expected / x for x in (1.2, 1.25, 1.3)]}
+        rows[1]["extra"]["speed_probe"] = {"blocks": blocks, "seconds": [expected] * 3}
+        return bench.predict({"config": dataclasses.asdict(cfg), "rows": rows, "baseline": {},
+                              "environment": {"cores": 2, "threads_per_rank": 1}}, speed_window=window)
+
+    alone = result(0)
+    probed, steady, plain = alone["rows"]
+    assert probed["speed"] == pytest.approx(1.25) and steady["speed"] == pytest.approx(1.0)
+    assert [r["speed"] for r in result(None)["rows"][:2]] == pytest.approx([1.1, 1.1])  # median of all six
+    assert [r["speed"] for r in result(1)["rows"][:2]] == pytest.approx([1.1, 1.1])
     model = probed["extra"]["at_profile_speed"]
     assert probed["pred_fwd_bwd_s"] == pytest.approx(model["fwd_bwd_s"] / probed["speed"])
     assert model["error"] == pytest.approx(model["fwd_bwd_s"] / 0.3 - 1)
     assert math.isnan(plain["speed"]) and plain["pred_fwd_bwd_s"] == plain["extra"]["at_profile_speed"]["fwd_bwd_s"]
-    summary = result["prediction"]
-    assert summary["speed"] == [probed["speed"]] * 3
+    summary = alone["prediction"]
+    assert summary["speed"] == pytest.approx([1.0, 1.125, 1.25])
     assert summary["median_abs_error_at_profile_speed"] == pytest.approx(
-        statistics.median(abs(r["extra"]["at_profile_speed"]["error"]) for r in result["rows"]))
+        statistics.median(abs(r["extra"]["at_profile_speed"]["error"]) for r in alone["rows"]))
     text = io.StringIO()
-    Console(file=text, width=200).print(bench.render_breakdown(result, width=200))
+    Console(file=text, width=200).print(bench.render_breakdown(alone, width=200))
     shown = text.getvalue()
     assert "speed" in shown and "model err" in shown and f"{probed['speed']:.3f}" in shown
 

@@ -20,25 +20,32 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return c
 
 
-def _spread_table(spread: dict, limit: float):
+def _spread_table(spread: dict, common: dict, limit: float):
+    """Every figure's smallest and largest value over the calibrations and their difference, as measured
+    (``spread``) and at a common speed (``common``)."""
     from rich.table import Table
 
     from ..lab.calibrate import is_rate
 
-    t = Table(title="difference between the calibrations (rates: largest / smallest - 1)")
-    for col in ("figure", "smallest", "largest", "difference"):
+    t = Table(title="difference between the calibrations (rates: largest / smallest - 1)",
+              caption="at a common speed: each calibration's figures over its overall speed (median kernel rate "
+                      "against the first's), which is what `bench --predict`'s speed probe corrects for")
+    for col in ("figure", "smallest", "largest", "difference", "at a common speed"):
         t.add_column(col, justify="left" if col == "figure" else "right")
+
+    def text(name: str, diff: float) -> str:
+        cell = f"{diff * 1e6:.1f} us" if name.endswith(" latency") else f"{diff * 100:.0f} points" \
+            if name == "overlap" else f"{diff:.1%}"
+        return f"[red]{cell}[/red]" if is_rate(name) and diff > limit else cell
+
     for name, (lo, hi, diff) in spread.items():
         if name.endswith(" latency"):
-            cells = (f"{lo * 1e6:.1f} us", f"{hi * 1e6:.1f} us", f"{diff * 1e6:.1f} us")
+            cells = (f"{lo * 1e6:.1f} us", f"{hi * 1e6:.1f} us")
         elif name == "overlap":
-            cells = (f"{lo:.0%}", f"{hi:.0%}", f"{diff * 100:.0f} points")
+            cells = (f"{lo:.0%}", f"{hi:.0%}")
         else:
-            unit = 1e9
-            cells = (f"{lo / unit:.3g}", f"{hi / unit:.3g}", f"{diff:.1%}")
-        if is_rate(name) and diff > limit:
-            cells = (*cells[:2], f"[red]{cells[2]}[/red]")
-        t.add_row(name, *cells)
+            cells = (f"{lo / 1e9:.3g}", f"{hi / 1e9:.3g}")
+        t.add_row(name, *cells, text(name, diff), text(name, common[name][2]) if name in common else "-")
     return t
 
 
@@ -100,13 +107,18 @@ def run(args) -> int:
               f"{prof.overlap:.0%} behind a concurrent kernel")
     if len(profiles) > 1:
         spread = calibrate.spread(profiles)
+        speeds = calibrate.levels(profiles)
+        common = calibrate.spread([calibrate.at_speed(p, 1.0 / v) for p, v in zip(profiles, speeds, strict=True)])
         limit = 0.05
-        out.print(_spread_table(spread, limit))
-        worst = max(((d, name) for name, (_, _, d) in spread.items() if calibrate.is_rate(name)), default=None)
-        if worst is not None:
-            out.print(f"largest difference between the calibrations: {worst[0]:.1%} ({worst[1]}); "
-                      f"{sum(d > limit for name, (_, _, d) in spread.items() if calibrate.is_rate(name))} rates "
-                      f"differ by more than {limit:.0%}")
+        out.print(_spread_table(spread, common, limit))
+        for label, figures in (("", spread), (" at a common speed", common)):
+            diffs = [(d, name) for name, (_, _, d) in figures.items() if calibrate.is_rate(name)]
+            if diffs:
+                worst = max(diffs)
+                out.print(f"largest difference between the calibrations{label}: {worst[0]:.1%} ({worst[1]}); "
+                          f"{sum(d > limit for d, _ in diffs)} of {len(diffs)} rates differ by more than {limit:.0%}")
+        out.print("overall speed of each calibration against the first (median kernel rate): "
+                  + ", ".join(f"{v:.3f}" for v in speeds))
     for w in warnings:
         err.print(f"[yellow]warning:[/yellow] {w}")
     out.print(f"wrote {path}")

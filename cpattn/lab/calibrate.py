@@ -433,6 +433,22 @@ def spread(profiles: list[Profile]) -> dict[str, tuple[float, float, float]]:
     return out
 
 
+def levels(profiles: list[Profile]) -> list[float]:
+    """Each calibration's overall speed against the first's: the median over the kernel rates of its rate
+    over the first's (the machine's speed drifts between calibrations, and moves every rate together)."""
+    first = rates(profiles[0])
+    kernel = [name for name in first if name.split(" ", 1)[0] in ("forward", "backward") and first[name] > 0]
+    return [statistics.median(rates(p)[name] / first[name] for name in kernel) for p in profiles]
+
+
+def at_speed(profile: Profile, speed: float) -> Profile:
+    """``profile`` as the machine would measure it running ``speed`` times as fast: every kernel rate and
+    bandwidth times ``speed``, every latency over it, the overlap as it is."""
+    return replace(profile, kernels=tuple(replace(p, flop_per_s=p.flop_per_s * speed) for p in profile.kernels),
+                   links={op: Link(link.latency / speed, link.bandwidth * speed) for op, link in profile.links.items()},
+                   memory_bandwidth=profile.memory_bandwidth * speed)
+
+
 def combine(profiles: list[Profile]) -> Profile:
     """One profile from several calibrations of the same machine: the median of each figure (kernel
     rates, link latency and bandwidth, memory bandwidth, overlap); the rest from the last."""
@@ -449,5 +465,5 @@ def combine(profiles: list[Profile]) -> Profile:
                    overlap=med(p.overlap for p in profiles))
 
 
-__all__ = ["CALIBRATED_OPS", "QUICK", "Interference", "Settings", "calibrate", "combine", "fit_link", "is_rate",
-           "kernel_calls", "kernel_jobs", "pass_speeds", "probes", "rates", "spread"]
+__all__ = ["CALIBRATED_OPS", "QUICK", "Interference", "Settings", "at_speed", "calibrate", "combine", "fit_link",
+           "is_rate", "kernel_calls", "kernel_jobs", "levels", "pass_speeds", "probes", "rates", "spread"]
