@@ -117,10 +117,11 @@ def probe_blocks(cfg: BenchConfig) -> list[tuple[str, int]]:
 def _probe_calls(cfg: BenchConfig) -> list[Callable[[], object]]:
     """The forward and backward call of every :func:`probe_blocks` block, in the run's shape (calibration's
     kernel calls, so the probe times what the profile measured)."""
-    from .lab.calibrate import Settings, kernel_calls
+    from .kernel_calls import kernel_calls
 
-    shape = Settings(batch=cfg.batch, heads=cfg.heads, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype)
-    return [call for kind, side in probe_blocks(cfg) for call in kernel_calls(shape, kind, side, 1).values()]
+    shape = {"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+             "dtype": cfg.dtype}
+    return [call for kind, side in probe_blocks(cfg) for call in kernel_calls(kind, side, **shape).values()]
 
 
 def probe_speeds(probe: dict, problem, device) -> list[float]:

@@ -35,6 +35,7 @@ from ..core.topology import Link, RatePoint, Topology
 from ..cost.collectives import op_time
 from ..cost.presets import LOCAL_ALGORITHM
 from ..cost.profile import Profile
+from ..kernel_calls import block_inputs, kernel_calls
 from ..launcher import LocalWorld, RankError
 
 CALIBRATED_OPS = ("sendrecv", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce", "all_to_all")
@@ -83,14 +84,9 @@ QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), stacked_sizes=(16,), stac
                  message_bytes=(1 << 12, 1 << 16), passes=1, small_samples=1, comm_samples=1, min_sample=0.0)
 
 
-def _inputs(s: Settings, n: int):
-
-    g = torch.Generator().manual_seed(n)
-    dt = kernels.DTYPES[s.dtype]
-    q = torch.randn(s.batch, n, s.heads, s.head_dim, generator=g).to(dt)
-    k = torch.randn(s.batch, n, s.kv_heads, s.head_dim, generator=g).to(dt)
-    v = torch.randn(s.batch, n, s.kv_heads, s.head_dim, generator=g).to(dt)
-    return q, k, v
+def _shape(s: Settings) -> dict:
+    """The kernel shape of ``s`` as keyword arguments of :func:`cpattn.kernel_calls.kernel_calls`."""
+    return {"batch": s.batch, "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "dtype": s.dtype}
 
 
 def kernel_jobs(s: Settings) -> list[tuple[str, int, int]]:
@@ -99,35 +95,6 @@ def kernel_jobs(s: Settings) -> list[tuple[str, int, int]]:
     jobs = [(kind, n, 1) for kind in ("full", "causal") for n in s.sizes]
     jobs += [(kind, n, max(1, s.stacked_rows // n)) for kind in ("full", "causal") for n in s.stacked_sizes]
     return jobs + [("partial", n, 1) for n in s.partial_sizes]
-
-
-def kernel_calls(s: Settings, kind: str, n: int, pieces: int) -> dict[str, Callable[[], object]]:
-    """The forward and backward call of a ``kind`` kernel of side ``n``, or of one stacked call of
-    ``pieces`` such blocks (``kernels.forward_stacked``) when ``pieces > 1``."""
-    s = replace(s, batch=s.batch * pieces)
-    q, k, v = _inputs(s, n)
-    block = BlockKind(kind)
-    mask = None
-    if block == BlockKind.PARTIAL:  # a band: every row attends a window around its diagonal
-        idx = torch.arange(n)
-        mask = (idx[:, None] - idx[None, :]).abs() < max(1, n // 4)
-    scale = kernels.default_scale(s.head_dim)
-    if pieces > 1:
-        def fwd_call():
-            return kernels.forward_stacked(q, k, v, block, scale, pieces)
-
-        def bwd_call():
-            return kernels.backward_stacked(dout, q, k, v, out, lse, block, scale, pieces)
-    else:
-        def fwd_call():
-            return kernels.forward(q, k, v, block, scale, mask)
-
-        def bwd_call():
-            return kernels.backward(dout, q, k, v, out, lse, block, scale, mask)
-    out, lse = fwd_call()
-    out = out.to(q.dtype)
-    dout = torch.randn_like(q)
-    return {"forward": fwd_call, "backward": bwd_call}
 
 
 def _merge_call(s: Settings, n: int) -> Callable[[], object]:
@@ -167,7 +134,7 @@ def _op_call(comm, op: str, nbytes: int) -> Callable[[], None]:
 def _overlap_calls(comm, s: Settings, n: int, nbytes: int) -> dict[str, Callable[[], object]]:
     """A forward FULL kernel of side ``n``, a ``sendrecv`` of ``nbytes``, and both at once (the transfer
     issued before the kernel, waited after it)."""
-    q, k, v = _inputs(s, n)
+    q, k, v = block_inputs(n, **_shape(s))
     scale = kernels.default_scale(s.head_dim)
     p, r = comm.world_size, comm.rank
     t = torch.randn(max(1, nbytes // 4))
@@ -214,7 +181,7 @@ def rank_prepare(settings: dict) -> int:
     s = Settings(**settings)
     comm = Communicator()
     calls: dict[tuple, Callable[[], object]] = {}
-    built = {job: kernel_calls(s, *job) for job in kernel_jobs(s)}
+    built = {job: kernel_calls(*job, **_shape(s)) for job in kernel_jobs(s)}
     overlap_n = min(s.sizes[len(s.sizes) // 2], 2048)
     overlap = _overlap_calls(comm, s, overlap_n, max(s.message_bytes))
     every = [probes(s, i) for i in range(min(s.passes, s.large_every))]
@@ -466,4 +433,4 @@ def combine(profiles: list[Profile]) -> Profile:
 
 
 __all__ = ["CALIBRATED_OPS", "QUICK", "Interference", "Settings", "at_speed", "calibrate", "combine", "fit_link",
-           "is_rate", "kernel_calls", "kernel_jobs", "levels", "pass_speeds", "probes", "rates", "spread"]
+           "is_rate", "kernel_jobs", "levels", "pass_speeds", "probes", "rates", "spread"]

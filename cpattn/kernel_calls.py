@@ -1,0 +1,57 @@
+"""Kernel calls to time: the forward and backward of one block on random inputs, as ``cpattn calibrate``
+measures them (``cpattn.lab.calibrate``) and as ``cpattn bench --predict``'s speed probe times them again
+(``cpattn.bench.SPEED_PROBE``), so the two measure the same calls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .core import kernels
+from .core.masks import BlockKind
+
+
+def block_inputs(n: int, batch: int, heads: int, kv_heads: int, head_dim: int, dtype: str):
+    """Random ``q`` ``[batch, n, heads, head_dim]`` and ``k``, ``v`` ``[batch, n, kv_heads, head_dim]`` in
+    ``dtype`` (seeded by ``n``)."""
+    g = torch.Generator().manual_seed(n)
+    dt = kernels.DTYPES[dtype]
+    q = torch.randn(batch, n, heads, head_dim, generator=g).to(dt)
+    k = torch.randn(batch, n, kv_heads, head_dim, generator=g).to(dt)
+    v = torch.randn(batch, n, kv_heads, head_dim, generator=g).to(dt)
+    return q, k, v
+
+
+def kernel_calls(kind: str, n: int, pieces: int = 1, *, batch: int, heads: int, kv_heads: int, head_dim: int,
+                 dtype: str) -> dict[str, Callable[[], object]]:
+    """The forward and backward call (``{"forward", "backward"}``) of a ``kind`` kernel (full, causal, or
+    partial: a band around the diagonal) of side ``n``, or of one stacked call of ``pieces`` such blocks
+    (``kernels.forward_stacked``) when ``pieces > 1``. The forward runs once here, to give the backward
+    its inputs."""
+    q, k, v = block_inputs(n, batch * pieces, heads, kv_heads, head_dim, dtype)
+    block = BlockKind(kind)
+    mask = None
+    if block == BlockKind.PARTIAL:  # a band: every row attends a window around its diagonal
+        idx = torch.arange(n)
+        mask = (idx[:, None] - idx[None, :]).abs() < max(1, n // 4)
+    scale = kernels.default_scale(head_dim)
+    if pieces > 1:
+        def fwd_call():
+            return kernels.forward_stacked(q, k, v, block, scale, pieces)
+
+        def bwd_call():
+            return kernels.backward_stacked(dout, q, k, v, out, lse, block, scale, pieces)
+    else:
+        def fwd_call():
+            return kernels.forward(q, k, v, block, scale, mask)
+
+        def bwd_call():
+            return kernels.backward(dout, q, k, v, out, lse, block, scale, mask)
+    out, lse = fwd_call()
+    out = out.to(q.dtype)
+    dout = torch.randn_like(q)
+    return {"forward": fwd_call, "backward": bwd_call}
+
+
+__all__ = ["block_inputs", "kernel_calls"]
