@@ -29,7 +29,8 @@ import torch
 from . import memory
 from .core import masks, trace
 from .core.kernels import DTYPES
-from .core.steps import Kernel, attention_flops
+from .core.steps import attention_flops
+from .kernel_calls import kernel_calls, shape_of, square_kernel
 from .timeline import fraction_text
 from .verify import assemble
 
@@ -117,11 +118,7 @@ def probe_blocks(cfg: BenchConfig) -> list[tuple[str, int]]:
 def _probe_calls(cfg: BenchConfig) -> list[Callable[[], object]]:
     """The forward and backward call of every :func:`probe_blocks` block, in the run's shape (calibration's
     kernel calls, so the probe times what the profile measured)."""
-    from .kernel_calls import kernel_calls
-
-    shape = {"batch": cfg.batch, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-             "dtype": cfg.dtype}
-    return [call for kind, side in probe_blocks(cfg) for call in kernel_calls(kind, side, **shape).values()]
+    return [call for kind, side in probe_blocks(cfg) for call in kernel_calls(kind, side, **shape_of(cfg)).values()]
 
 
 def probe_speeds(probe: dict, problem, device) -> list[float]:
@@ -131,8 +128,7 @@ def probe_speeds(probe: dict, problem, device) -> list[float]:
     epilogue an estimate adds for folding a result into accumulators) over the measured seconds (the
     slowest rank's); above 1: faster than calibrated. ``probe``: ``{"blocks": [(kind, side)], "seconds":
     [...]}`` (a row's ``extra["speed_probe"]``)."""
-    calls = [(Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n), phase)
-             for kind, n in probe["blocks"] for phase in ("forward", "backward")]
+    calls = [(square_kernel(kind, n), phase) for kind, n in probe["blocks"] for phase in ("forward", "backward")]
     expected = sum(device.launch + k.flops(problem, phase) / device.rate(phase, k.kind, k.q_len, k.kv_len)
                    for k, phase in calls)
     return [expected / sec for sec in probe["seconds"] if sec > 0]

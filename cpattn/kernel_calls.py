@@ -10,6 +10,22 @@ import torch
 
 from .core import kernels
 from .core.masks import BlockKind
+from .core.steps import Kernel
+
+#: the fields of a kernel shape, as :func:`kernel_calls` takes them
+SHAPE = ("batch", "heads", "kv_heads", "head_dim", "dtype")
+
+
+def shape_of(config) -> dict:
+    """The kernel shape of ``config`` (any object with the :data:`SHAPE` attributes: a calibration's
+    settings, a bench configuration) as keyword arguments of :func:`kernel_calls` and :func:`block_inputs`."""
+    return {name: getattr(config, name) for name in SHAPE}
+
+
+def square_kernel(kind: str, n: int) -> Kernel:
+    """The cost model's :class:`~cpattn.core.steps.Kernel` for one timed ``kind`` block of side ``n``: a
+    causal block's allowed pairs are its lower triangle, the others' its whole square."""
+    return Kernel(kind, n, n, n * (n + 1) // 2 if kind == BlockKind.CAUSAL.value else n * n)
 
 
 def block_inputs(n: int, batch: int, heads: int, kv_heads: int, head_dim: int, dtype: str):
@@ -54,4 +70,4 @@ def kernel_calls(kind: str, n: int, pieces: int = 1, *, batch: int, heads: int, 
     return {"forward": fwd_call, "backward": bwd_call}
 
 
-__all__ = ["block_inputs", "kernel_calls"]
+__all__ = ["SHAPE", "block_inputs", "kernel_calls", "shape_of", "square_kernel"]

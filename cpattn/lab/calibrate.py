@@ -35,7 +35,7 @@ from ..core.topology import Link, RatePoint, Topology
 from ..cost.collectives import op_time
 from ..cost.presets import LOCAL_ALGORITHM
 from ..cost.profile import Profile
-from ..kernel_calls import block_inputs, kernel_calls
+from ..kernel_calls import block_inputs, kernel_calls, shape_of, square_kernel
 from ..launcher import LocalWorld, RankError
 
 CALIBRATED_OPS = ("sendrecv", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce", "all_to_all")
@@ -84,11 +84,6 @@ QUICK = Settings(sizes=(64, 128), partial_sizes=(64,), stacked_sizes=(16,), stac
                  message_bytes=(1 << 12, 1 << 16), passes=1, small_samples=1, comm_samples=1, min_sample=0.0)
 
 
-def _shape(s: Settings) -> dict:
-    """The kernel shape of ``s`` as keyword arguments of :func:`cpattn.kernel_calls.kernel_calls`."""
-    return {"batch": s.batch, "heads": s.heads, "kv_heads": s.kv_heads, "head_dim": s.head_dim, "dtype": s.dtype}
-
-
 def kernel_jobs(s: Settings) -> list[tuple[str, int, int]]:
     """``(kind, side, pieces)`` of every kernel calibration times: FULL and CAUSAL blocks of each size,
     stacked small pieces (``pieces > 1``), PARTIAL blocks."""
@@ -134,7 +129,7 @@ def _op_call(comm, op: str, nbytes: int) -> Callable[[], None]:
 def _overlap_calls(comm, s: Settings, n: int, nbytes: int) -> dict[str, Callable[[], object]]:
     """A forward FULL kernel of side ``n``, a ``sendrecv`` of ``nbytes``, and both at once (the transfer
     issued before the kernel, waited after it)."""
-    q, k, v = block_inputs(n, **_shape(s))
+    q, k, v = block_inputs(n, **shape_of(s))
     scale = kernels.default_scale(s.head_dim)
     p, r = comm.world_size, comm.rank
     t = torch.randn(max(1, nbytes // 4))
@@ -181,7 +176,7 @@ def rank_prepare(settings: dict) -> int:
     s = Settings(**settings)
     comm = Communicator()
     calls: dict[tuple, Callable[[], object]] = {}
-    built = {job: kernel_calls(*job, **_shape(s)) for job in kernel_jobs(s)}
+    built = {job: kernel_calls(*job, **shape_of(s)) for job in kernel_jobs(s)}
     overlap_n = min(s.sizes[len(s.sizes) // 2], 2048)
     overlap = _overlap_calls(comm, s, overlap_n, max(s.message_bytes))
     every = [probes(s, i) for i in range(min(s.passes, s.large_every))]
@@ -344,7 +339,7 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
                       settings.kv_heads, settings.head_dim, settings.dtype)
     points: list[RatePoint] = []
     for kind, n, pieces in kernel_jobs(settings):
-        kernel = Kernel(kind, n, n, n * (n + 1) // 2 if kind == "causal" else n * n)
+        kernel = square_kernel(kind, n)
         for phase in ("forward", "backward"):  # per piece: the rate of one block of a stacked call
             points.append(RatePoint(phase, kind, n, n, pieces * kernel.flops(problem, phase)
                                     / seconds[("kernel", kind, n, pieces, phase)]))
@@ -403,9 +398,10 @@ def spread(profiles: list[Profile]) -> dict[str, tuple[float, float, float]]:
 def levels(profiles: list[Profile]) -> list[float]:
     """Each calibration's overall speed against the first's: the median over the kernel rates of its rate
     over the first's (the machine's speed drifts between calibrations, and moves every rate together)."""
-    first = rates(profiles[0])
+    each = [rates(p) for p in profiles]
+    first = each[0]
     kernel = [name for name in first if name.split(" ", 1)[0] in ("forward", "backward") and first[name] > 0]
-    return [statistics.median(rates(p)[name] / first[name] for name in kernel) for p in profiles]
+    return [statistics.median(r[name] / first[name] for name in kernel) for r in each]
 
 
 def at_speed(profile: Profile, speed: float) -> Profile:
