@@ -29,11 +29,11 @@ from datetime import timedelta
 import fuzz_workers
 import pytest
 import torch
+from cpattn.layout import Layout
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from cpattn import masks, schedules, verify
-from cpattn.layout import Layout
 
 #: (world size, subgroup or None): every world size, and subgroups of the 4-rank world (P=2 and P=3)
 PLACES = [(1, None), (2, None), (3, None), (4, None), (4, (1, 3)), (4, (0, 2, 3))]

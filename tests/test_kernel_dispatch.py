@@ -452,3 +452,81 @@ def test_stacked_partial_blocks_match_one_call_per_block(backend):
                 assert torch.allclose(got[r:r + 1], want, atol=1e-5)
     with pytest.raises(ValueError, match="bool mask"):
         kernels.forward_stacked(qs, ks, vs, PARTIAL, 0.3, pieces, backend, masks[0])
+
+
+# ------------------------------------------------------------------------------------ the measured order
+H200 = (9, 0)
+
+
+@pytest.mark.parametrize("capability,dtype,head_dim,kind,available,backend,want", [
+    (H200, BF16, 128, FULL, GPU, "auto", "cudnn_cuda"),  # measured 1.5-1.7x flash_cuda fwd+bwd
+    (H200, F16, 64, CAUSAL, GPU, "aten", "cudnn_cuda"),
+    (H200, BF16, 256, FULL, GPU, "auto", "flash_cuda"),  # cuDNN stops at 128: the catch-all row
+    (H200, BF16, 128, FULL, GPU - {"cudnn_cuda"}, "auto", "flash_cuda"),  # enable_cudnn_sdp(False) pins flash
+    (H200, BF16, 128, FULL, GPU - {"cudnn_cuda", "flash_cuda"}, "auto", "efficient_cuda"),
+    (H200, F32, 128, FULL, GPU, "auto", "efficient_cuda"),  # the only float32 kernel
+    (H200, BF16, 128, FULL, GPU, "math", "math"),
+    (H200, BF16, 128, CAUSAL, GPU_FA, "flash_attn", "flash_attn"),  # backend= pins the package
+    (H200, BF16, 128, PARTIAL, GPU, "auto", "flex_cuda"),
+    ((8, 0), BF16, 128, FULL, GPU, "auto", "flash_cuda"),  # not measured: the catch-all
+    ((10, 0), BF16, 128, FULL, GPU, "auto", "flash_cuda"),
+    (None, BF16, 128, FULL, GPU, "auto", "flash_cuda"),
+])
+def test_dispatch_follows_the_measured_order(capability, dtype, head_dim, kind, available, backend, want):
+    assert kernels.choose_kernel("cuda", dtype, head_dim, kind, available, backend, capability=capability) == want
+
+
+def test_kernel_table_rows_cite_measurements_and_end_in_a_catch_all():
+    from cpattn.core import kernel_table as kt
+
+    kt.check_table()
+    assert kt.order_row(H200, "bfloat16", 128) is kt.CUDA_ORDER_TABLE[0]
+    assert kt.order_row(H200, "float32", 128) is kt.CUDA_ORDER_TABLE[-1]
+    assert kt.order_row(None, "bfloat16", 128) is kt.CUDA_ORDER_TABLE[-1]
+    catch_all = kt.CUDA_ORDER_TABLE[-1]
+    bad = [(kt.OrderRow((9, 0), (10, 0), (), (0, 512), ("cudnn_cuda", "triton"), "x"), catch_all),
+           (kt.OrderRow((9, 0), (10, 0), (), (0, 512), ("cudnn_cuda", "cudnn_cuda"), "x"), catch_all),
+           (kt.OrderRow((9, 0), (10, 0), (), (0, 512), ("cudnn_cuda",), " "), catch_all),
+           (kt.CUDA_ORDER_TABLE[0],)]
+    for table in bad:
+        with pytest.raises(ValueError):
+            kt.check_table(table)
+
+
+def test_kernel_table_is_in_the_docs():
+    """docs/cuda.md shows every row's order, so a reader sees the table the dispatch reads."""
+    from cpattn.core import kernel_table as kt
+
+    doc = (ROOT / "docs" / "cuda.md").read_text()
+    assert "## Measured kernel order" in doc
+    for row in kt.CUDA_ORDER_TABLE:
+        assert " > ".join(f"`{p}`" for p in row.order) in doc
+
+
+@pytest.mark.parametrize("row", range(2))
+def test_every_ordered_path_runs_on_meta_tensors(row):
+    """Each path of each row, at a dtype and head dim the row covers, through the ops' shape functions."""
+    from cpattn.core import kernel_table as kt
+
+    r = kt.CUDA_ORDER_TABLE[row]
+    dtype = kernels.DTYPES[r.dtypes[0]] if r.dtypes else BF16
+    d = min(r.head_dims[1], 128)
+    q = torch.empty(1, 40, 4, d, dtype=dtype, device="meta")
+    k = torch.empty(1, 40, 2, d, dtype=dtype, device="meta")
+    for path in r.order:
+        assert kernels.kernel_fits(path, dtype, d)
+        out, lse = kernels.forward_with(path, q, k, k, CAUSAL, 0.1)
+        dq, dk, dv = kernels.backward_with(path, q, q, k, k, out.to(dtype), lse, CAUSAL, 0.1)
+        assert out.shape == q.shape and dk.shape == k.shape
+
+
+def test_capability_is_read_once_per_device(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: calls.append(index) or (9, 0))
+    kernels._capability.cache_clear()
+    try:
+        assert kernels.capability(torch.device("cuda", 0)) == (9, 0) == kernels.capability(torch.device("cuda", 0))
+        assert calls == [0]
+        assert kernels.capability(torch.device("cpu")) is None
+    finally:
+        kernels._capability.cache_clear()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpattn.masks import BlockKind
 
 from cpattn import kernels
-from cpattn.masks import BlockKind
 from cpattn.schedules.ultra import ITEMS, Sizes
 
 FULL, CAUSAL, PARTIAL = BlockKind.FULL, BlockKind.CAUSAL, BlockKind.PARTIAL

@@ -48,14 +48,12 @@ from functools import cache
 
 import torch
 
-from . import kernels_cuda, trace
+from . import kernel_table, kernels_cuda, trace
 from .masks import BlockKind
 
 BACKENDS = ("auto", "aten", "flash_attn", "math")
 #: every kernel path :func:`choose_kernel` can return
 PATHS = ("flash_cpu", "flash_cuda", "cudnn_cuda", "efficient_cuda", "flex_cuda", "flash_attn", "math")
-#: FULL/CAUSAL paths on CUDA in the order ``auto`` and ``aten`` try them
-CUDA_ORDER = ("flash_cuda", "cudnn_cuda", "efficient_cuda")
 #: paths whose backward takes ``delta = rowsum(dout * out)`` in place of ``out``
 DELTA_PATHS = frozenset({"math"})
 #: paths whose op takes fewer key/value heads than query heads; the others get expanded heads
@@ -149,7 +147,7 @@ CPU_FLASH_PARTIAL_DTYPES = (torch.float32,)
 
 def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: BlockKind,
                   available: frozenset[str], backend: str = "auto", kv_len: int | None = None,
-                  softcap: bool = False) -> str:
+                  softcap: bool = False, capability: tuple[int, int] | None = None) -> str:
     """The kernel path (a :data:`PATHS` name) for one block: a pure function of its arguments.
 
     ``available`` is the set of paths this process can run (:func:`available_kernels`). ``math``
@@ -157,7 +155,9 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
     additive mask, :data:`CPU_FLASH_PARTIAL_DTYPES`), ``math`` for other PARTIAL ones and for bfloat16 /
     float16 blocks of fewer than :data:`CPU_FLASH_MIN_KEYS_LOW_PRECISION` keys (``kv_len``).
     CUDA: PARTIAL blocks take ``flex_cuda`` when it fits; FULL and CAUSAL blocks take ``flash_attn``
-    when asked for and it fits, else the first of :data:`CUDA_ORDER` that is available and fits; with
+    when asked for and it fits, else the first path of the measured order for the GPU's ``capability``,
+    dtype and head dim (:func:`cpattn.core.kernel_table.cuda_order`; None: a GPU not measured) that is
+    available and fits; with
     none, ``auto`` and ``flash_attn`` fall back to ``math`` while ``aten`` raises ValueError (it promised
     a fused kernel). Other devices run ``math`` (``aten`` raises).
 
@@ -188,7 +188,7 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
         return "flex_cuda" if "flex_cuda" in available and kernel_fits("flex_cuda", dtype, head_dim) else "math"
     if backend == "flash_attn" and kernel_fits("flash_attn", dtype, head_dim):
         return "flash_attn"
-    for path in CUDA_ORDER:
+    for path in kernel_table.cuda_order(capability, dtype_name(dtype), head_dim):
         if path in available and kernel_fits(path, dtype, head_dim):
             return path
     if backend == "aten":
@@ -210,6 +210,18 @@ def available_kernels(device: torch.device) -> frozenset[str]:
                 "efficient_cuda": torch.backends.cuda.mem_efficient_sdp_enabled(),
                 "cudnn_cuda": torch.backends.cuda.cudnn_sdp_enabled()}
     return frozenset(p for p in _cuda_paths(index) if switches.get(p, True))
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA ``device`` (None for other devices): the key of the kernel order."""
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 @cache
@@ -468,7 +480,7 @@ def kernel_for(q: torch.Tensor, kind: BlockKind, backend: str = "auto", kv_len: 
     """The kernel path :func:`forward` and :func:`backward` run for queries like ``q``, ``kind`` and
     ``kv_len`` keys (soft-capped when ``softcap`` is given)."""
     return choose_kernel(q.device.type, q.dtype, q.shape[3], kind, available_kernels(q.device), backend, kv_len,
-                         softcap is not None)
+                         softcap is not None, capability(q.device))
 
 
 def row_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
