@@ -530,3 +530,55 @@ def test_capability_is_read_once_per_device(monkeypatch):
         assert kernels.capability(torch.device("cpu")) is None
     finally:
         kernels._capability.cache_clear()
+
+
+# ------------------------------------------------------------------------------------ Flex's backward operator
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_flex_backward_operator_from_the_row_out_and_lse_matches_math(hkv):
+    """The masked backward with no second forward, in its eager form, float64: the keys split over two
+    PARTIAL blocks, each block's gradients from the merged row's out and lse (rows with no key anywhere,
+    and rows empty in one block only), GQA; their sum is the math path's whole-row gradient."""
+    if kernels_cuda.flex_backward_op() is None:
+        pytest.skip("this torch has no FlexAttention backward operator")  # the recompute path is tested above
+    q, k, v, dout = _inputs(F64, sq=150, sk=200, h=4, hkv=hkv, d=16, seed=11)
+    allowed = torch.rand(150, 200, generator=torch.Generator().manual_seed(12)) < 0.3
+    allowed[4] = False
+    allowed[6, :100] = False
+    allowed[9, 100:] = False
+    out, lse = kernels.forward_with("math", q, k, v, PARTIAL, 0.3, allowed)
+    want = kernels.backward_with("math", dout, q, k, v, out, lse, PARTIAL, 0.3, allowed)
+    total = [torch.zeros_like(want[0]), torch.zeros_like(want[1]), torch.zeros_like(want[2])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for cols in (slice(0, 100), slice(100, 200)):
+            dq, dk, dv = kernels_cuda.flex_backward(dout, q, k[:, cols], v[:, cols], out, lse, PARTIAL, 0.3,
+                                                    allowed[:, cols], compiled=False)
+            total[0] += dq
+            total[1][:, cols] += dk
+            total[2][:, cols] += dv
+    for got, ref in zip(total, want):
+        assert not got.isnan().any() and torch.allclose(got, ref, atol=1e-10), (got - ref).abs().max()
+    assert bool((total[0][:, 4] == 0).all())
+
+
+@pytest.mark.parametrize("kind", [FULL, CAUSAL, PARTIAL])
+def test_flex_backward_operator_soft_capped_and_stacked(kind):
+    """Soft-capped blocks of every kind, and stacked PARTIAL blocks with a mask per piece, through the
+    backward operator's eager form against the math path (float64)."""
+    if kernels_cuda.flex_backward_op() is None:
+        pytest.skip("this torch has no FlexAttention backward operator")
+    q, k, v, dout = _inputs(F64, sq=64, sk=64, h=4, hkv=2, d=16, seed=13)
+    q = q * 3
+    mask = None
+    if kind == PARTIAL:  # batch 2 = 1 row x 2 pieces, each with its own mask
+        mask = torch.rand(2, 64, 64, generator=torch.Generator().manual_seed(14)) < 0.4
+        mask[1, 7] = False
+    for cap in (None, 0.7):
+        extra = {} if cap is None else {"softcap": cap}
+        out, lse = kernels._run_forward("math", q, k, v, kind, 0.25, mask, None, cap)
+        want = kernels._run_backward("math", dout, q, k, v, out, lse, kind, 0.25, mask, None, None, cap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = kernels_cuda.flex_backward(dout, q, k, v, out, lse, kind, 0.25, mask, compiled=False, **extra)
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, atol=1e-10), (cap, (g - w).abs().max())

@@ -23,11 +23,12 @@ What each op assumes, and how it is met here:
   device from a real forward call so their dtype, shape and device are what this torch build expects.
 
 PARTIAL blocks run FlexAttention with a block mask built from the block's dense boolean mask, compiled
-once per process with ``torch.compile``. Its backward has no way to take an external ``out`` and
-``lse``, so :func:`grads_through_block` recomputes the block under autograd and feeds it gradients
-that turn the block's own softmax into the row's final one (derivation in its docstring).
+once per process with ``torch.compile``. Its public API has no backward that takes an external ``out``
+and ``lse``; its backward *operator* does (:func:`flex_fused_backward`, lse in log2 units), so the
+backward runs no second forward. A torch without that operator (:func:`flex_backward_op` is None)
+recomputes the block under autograd instead (:func:`grads_through_block`).
 
-None of this has run on a GPU yet: ``scripts/gpu_check.py`` checks every path (docs/cuda.md).
+``scripts/gpu_check.py`` checks every path on a GPU (docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -178,9 +179,11 @@ def flex_supported() -> bool:
     return True
 
 
+@cache
 def _softcap_mod(softcap: float) -> Callable:
     """FlexAttention's ``score_mod`` for soft-capped scores: ``tanh(s / softcap) * softcap`` (the scale
-    is applied before it, as the kernel contract scales before capping)."""
+    is applied before it, as the kernel contract scales before capping). One function per cap value, so
+    a compiled kernel sees the same ``score_mod`` on every call and never recompiles for it."""
     def score_mod(score, b, h, q_idx, kv_idx):
         return torch.tanh(score / softcap) * softcap
 
@@ -193,6 +196,15 @@ def _causal_mask(s_q: int, s_kv: int, device: torch.device):
     return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, s_q, s_kv, device=device)
 
 
+def _flex_mask(q, k, kind, mask):
+    """``(dense, block_mask)`` of a block for FlexAttention: a PARTIAL block's per-row mask
+    (:func:`per_row_mask`) and its block mask, a CAUSAL block's block mask, None for FULL."""
+    dense = per_row_mask(mask, q.shape[0], q.device) if kind == BlockKind.PARTIAL else None
+    block_mask = (_block_mask(dense) if dense is not None
+                  else _causal_mask(q.shape[1], k.shape[1], q.device) if kind == BlockKind.CAUSAL else None)
+    return dense, block_mask
+
+
 def flex_block(q, k, v, mask, scale, compiled: bool = True, kind=BlockKind.PARTIAL, softcap: float | None = None):
     """FlexAttention of one block, differentiable: ``(out [b, s_q, h, d], lse [b, h, s_q])``. A PARTIAL
     block (or stacked ones, ``mask [pieces, s_q, s_kv]``) brings its mask; FULL and CAUSAL blocks run
@@ -203,9 +215,7 @@ def flex_block(q, k, v, mask, scale, compiled: bool = True, kind=BlockKind.PARTI
 
     fn = _compiled_flex() if compiled else flex_attention
     qt, kt, vt = _bhsd(q, k, v)
-    dense = per_row_mask(mask, q.shape[0], q.device) if kind == BlockKind.PARTIAL else None
-    block_mask = (_block_mask(dense) if dense is not None
-                  else _causal_mask(q.shape[1], k.shape[1], q.device) if kind == BlockKind.CAUSAL else None)
+    dense, block_mask = _flex_mask(q, k, kind, mask)
     # the Triton backend is the one whose backward accepts a gradient of lse (grads_through_block)
     out, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale,
                   score_mod=None if softcap is None else _softcap_mod(softcap),
@@ -223,9 +233,87 @@ def flex_forward(q, k, v, kind, scale, mask, compiled: bool = True, softcap: flo
         return flex_block(q, k, v, mask, scale, compiled, kind, softcap)
 
 
+@cache
+def flex_backward_op() -> Callable | None:
+    """FlexAttention's backward operator, which takes the row's ``out`` and ``lse`` as the fused ops do,
+    or None where this torch does not expose it (then :func:`flex_backward` recomputes the block's
+    forward, :func:`grads_through_block`). It is private to torch: its arguments are checked here once."""
+    try:
+        from torch._higher_order_ops.flex_attention import flex_attention_backward
+        from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options, _identity
+    except ImportError:
+        return None
+    params = inspect.signature(flex_attention_backward.__call__).parameters
+    want = ["query", "key", "value", "out", "logsumexp", "grad_out", "grad_logsumexp", "fw_graph", "joint_graph",
+            "block_mask", "scale", "kernel_options"]
+    if list(params)[:len(want)] != want or not hasattr(BlockMask, "as_tuple") or _apply_kernel_options is None \
+            or _identity is None:
+        return None
+    return flex_attention_backward
+
+
+def _flex_backward_call(query, key, value, out, lse2, grad_out, score_mod, joint, block_mask, scale,
+                        kernel_options):
+    """One call of the backward operator, ``[b, h, s, d]`` tensors, ``lse2`` in log2 units (what its forward
+    returns; the public API converts to natural log). Compiled on CUDA, where it becomes the fused kernel
+    (the compiler derives the joint graph of ``score_mod`` itself: ``joint`` None); eager, ``score_mod`` and
+    ``joint`` are the traced graphs of :func:`_eager_graphs`."""
+    dq, dk, dv, _ = flex_backward_op()(query, key, value, out, lse2, grad_out, None, score_mod, joint,
+                                       block_mask, scale, kernel_options, (), ())
+    return dq, dk, dv
+
+
+@cache
+def _eager_graphs(score_mod: Callable, dtype: torch.dtype, device: torch.device) -> tuple[Callable, Callable]:
+    """The forward and joint graphs of ``score_mod`` that the operator's eager form takes."""
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+
+    scalar = torch.zeros((), dtype=dtype, device=device, requires_grad=True)
+    index = torch.zeros((), dtype=torch.int, device=device)
+    return create_fw_bw_graph(score_mod, (scalar, index, index, index, index), ())
+
+
+@cache
+def _compiled_flex_backward() -> Callable:
+    return torch.compile(_flex_backward_call, fullgraph=True)
+
+
+LN2 = 0.6931471805599453
+
+
+def flex_fused_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = True,
+                        softcap: float | None = None):
+    """dq, dk, dv of one FlexAttention block from the row's final ``out`` and ``lse`` through the backward
+    operator (:func:`flex_backward_op`), with no second forward: its ``dS = P (dP - rowsum(dout * out))``
+    with ``P = exp(s - lse)`` is the kernel contract's gradient for any ``lse``, the block's own or the
+    row's. ``compiled=False`` runs its eager (unfused) form, which the CPU tests check."""
+    from torch.nn.attention.flex_attention import AuxRequest, _apply_kernel_options, _identity
+
+    qt, kt, vt, ot, dt = _bhsd(q, k, v, out.to(q.dtype), dout.to(q.dtype))
+    _, block_mask = _flex_mask(q, k, kind, mask)
+    if block_mask is None:  # a FULL block: every tile full
+        from torch.nn.attention.flex_attention import _create_empty_block_mask
+
+        block_mask = _create_empty_block_mask(qt, kt)
+    options = _apply_kernel_options(qt, kt, vt, True, {"BACKEND": "TRITON"}, AuxRequest(lse=True))
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse2 = (lse.to(acc) / LN2).contiguous()  # -inf stays -inf
+    score_mod = _identity if softcap is None else _softcap_mod(softcap)
+    if compiled:
+        dq, dk, dv = _compiled_flex_backward()(qt, kt, vt, ot, lse2, dt, score_mod, None, block_mask.as_tuple(),
+                                               scale, options)
+    else:
+        dq, dk, dv = _flex_backward_call(qt, kt, vt, ot, lse2, dt, *_eager_graphs(score_mod, q.dtype, q.device),
+                                         block_mask.as_tuple(), scale, options)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
 def flex_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = True, softcap: float | None = None):
-    dq, dk, dv = grads_through_block(lambda a, b, c: flex_block(a, b, c, mask, scale, compiled, kind, softcap),
-                                     dout, q, k, v, out, lse)
+    if flex_backward_op() is not None:
+        dq, dk, dv = flex_fused_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled, softcap)
+    else:
+        dq, dk, dv = grads_through_block(lambda a, b, c: flex_block(a, b, c, mask, scale, compiled, kind, softcap),
+                                         dout, q, k, v, out, lse)
     if kind != BlockKind.PARTIAL:
         return dq, dk, dv
     empty = empty_rows(per_row_mask(mask, q.shape[0], q.device))
