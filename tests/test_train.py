@@ -108,6 +108,7 @@ def test_bad_configs_are_refused_before_anything_runs():
         train.TrainConfig(resume=True)
 
 
+@pytest.mark.slow  # torchrun launches stay in make test through test_faults and test_checkpoint
 def test_torchrun_gives_the_local_launchers_losses(worlds, tmp_path):
     local = _run(worlds, _base("llama", dp=1, cp=2, schedule="zigzag_ring", steps=4), return_params=False)
     log = tmp_path / "log.json"
