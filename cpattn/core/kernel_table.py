@@ -39,7 +39,7 @@ _HALF = ("bfloat16", "float16")
 CUDA_ORDER_TABLE: tuple[OrderRow, ...] = (
     OrderRow((9, 0), (10, 0), _HALF, (8, 128), ("cudnn_cuda", "flash_cuda", "efficient_cuda"),
              "NVIDIA H200 (sm90), torch 2.11.0+cu130, cuDNN 9.19, 2026-12-04: through the kernel contract "
-             "cudnn_cuda ran 1.40-1.69x flash_cuda's speed forward and 1.52-1.70x forward+backward, bf16, "
+             "cudnn_cuda ran 1.53-1.74x flash_cuda's speed forward and 1.56-1.73x forward+backward, bf16, "
              "b=1, 32:8 heads, d=128, S=8K..64K, causal and full (scripts/gpu_check.py bench); "
              "exact in the same run. Head dims below 128 not timed yet (gpu_check's parity section has d=64)"),
     OrderRow(*ANY_CAPABILITY, (), (0, 1 << 30), ("flash_cuda", "cudnn_cuda", "efficient_cuda"),
