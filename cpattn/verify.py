@@ -137,11 +137,13 @@ def _rule(name: str, args: dict) -> Callable[[int, int], bool]:
     raise ValueError(f"no reference mask for {name!r}")
 
 
-def dense_mask(name: str, seq: int, args: dict | None = None) -> torch.Tensor:
+def dense_mask(name: str, seq: int, args: dict | None = None, device: torch.device | str | None = None
+               ) -> torch.Tensor:
     """The reference's own mask: bool [S, S], True = attend, evaluated pair by pair from the mask
-    kind's definition (small S only)."""
+    kind's definition (small S only), on ``device`` (default the CPU)."""
     rule = _rule(name, args or {})
-    return torch.tensor([[bool(rule(q, k)) for k in range(seq)] for q in range(seq)], dtype=torch.bool)
+    return torch.tensor([[bool(rule(q, k)) for k in range(seq)] for q in range(seq)], dtype=torch.bool,
+                        device=device)
 
 
 def example_mask_args(name: str, seq: int) -> dict | None:
@@ -176,6 +178,7 @@ def example_mask_args(name: str, seq: int) -> dict | None:
 def reference(q, k, v, dout, allowed: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
     """float64 attention and gradients on one device. q [b,s,h,d], k/v [b,s,h_kv,d]."""
     q, k, v = (t.detach().to(torch.float64).requires_grad_() for t in (q, k, v))
+    allowed = allowed.to(q.device)  # a mask built on the CPU judges inputs on any device
     g = q.shape[2] // k.shape[2]
     kr, vr = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
@@ -193,7 +196,7 @@ def local_kernel(q, k, v, dout, mask_name: str, scale: float, allowed: torch.Ten
     full kernel, or the masked one with ``allowed`` for any other mask."""
     kinds = {"causal": BlockKind.CAUSAL, "full": BlockKind.FULL}
     kind = kinds.get(mask_name, BlockKind.PARTIAL)
-    mask = allowed if kind == BlockKind.PARTIAL else None
+    mask = allowed.to(q.device) if kind == BlockKind.PARTIAL else None  # the kernels take it where q is
     out, lse = kernels.forward(q, k, v, kind, scale, mask)
     dq, dk, dv = kernels.backward(dout, q, k, v, out.to(q.dtype), lse, kind, scale, mask)
     return {"out": out.to(q.dtype), "lse": lse, "dq": dq.to(q.dtype), "dk": dk.to(q.dtype), "dv": dv.to(q.dtype)}
@@ -211,7 +214,7 @@ def local_errors(x: dict[str, torch.Tensor], mask_name: str, scale: float, allow
     if mask_name in ("causal", "full"):
         return errors
     fast = "causal" if not bool(allowed.triu(1).any()) else "full"
-    fast_allowed = dense_mask(fast, allowed.shape[0])
+    fast_allowed = dense_mask(fast, allowed.shape[0], device=allowed.device)
     fast_ref = reference(*args, fast_allowed, scale)
     fast_loc = local_kernel(*args, fast, scale)
     return {q: max(errors[q], rel_error(fast_loc[q], fast_ref[q])) for q in QUANTITIES}
