@@ -22,7 +22,7 @@ written after every section, so a run cut short keeps what it did. Sections, in 
    sliding_window, document, judged like ``cpattn verify``. A pair the schedule refuses
    (``Schedule.check_mask`` raises) is recorded as skipped, not failed. Every pair runs once in
    bfloat16 with GQA 4 before any runs again in float32 with GQA 1.
-3. ``parity`` (40%): ``cp.attention`` at world 1 ("ring"), bfloat16, b=1, 32 query : 8 kv heads, against
+3. ``parity`` (36%): ``cp.attention`` at world 1 ("ring"), bfloat16, b=1, 32 query : 8 kv heads, against
    the fastest single-GPU kernel torch offers: SDPA under each of the flash, cuDNN and efficient backends
    (``enable_gqa=True``; a backend that refuses it is retimed with k/v repeated inside the timed region),
    the best per phase is the baseline, at S = 16K and 64K, causal and full, d = 128 (and d = 64, 256 at
@@ -36,7 +36,7 @@ written after every section, so a run cut short keeps what it did. Sections, in 
    against the baseline's <= 2e-2. Each masked row starts with empty compile caches, as a process that
    runs only that mask would. Rows run cheapest first; one predicted not to fit in what is left of the
    share is skipped. Printed as one table at the end of the run.
-4. ``steady`` (14%): ``cp.attention`` at world 1, S = 8K, causal, document and sliding window: after 3
+4. ``steady`` (12%): ``cp.attention`` at world 1, S = 8K, causal, document and sliding window: after 3
    warm-up calls one forward+backward must compile nothing (torch._dynamo counters), copy nothing from
    the host to the device (profiler "Memcpy HtoD" events) and synchronise with the host nowhere
    (``torch.cuda.set_sync_debug_mode("warn")``); a count above 0 fails the case. A CUDA graph capture of
@@ -49,8 +49,10 @@ written after every section, so a run cut short keeps what it did. Sections, in 
    128 greedy tokens, a small random transformers Llama) against ``model.generate`` with SDPA. Without
    transformers the generation part is recorded as skipped. Measurements only: nothing here fails the run
    unless it raises.
-6. ``multirank`` (10%): two processes on cuda:0, NCCL first, then gloo; what happened either way
-   (informational: one GPU cannot host two NCCL ranks; skipped when under 10 s are left).
+6. ``multirank`` (16%): ranks sharing cuda:0. Two NCCL ranks must be refused by cpattn (naming the staged
+   gloo alternative) before NCCL's first operation; then P = 2 and P = 4 gloo ranks (one launch each) run
+   every registered schedule x causal, full, document x bfloat16, float32 against the float64 reference,
+   transfers staged through pinned host buffers (``--multirank-schedules`` narrows the schedules).
 
 ``bench`` (only with ``--sections bench``): forward and forward+backward time of each fused path against
 SDPA's flash backend at S = 8K..64K (``--seqs``).
@@ -60,8 +62,8 @@ set; ``--out``). ``--sections a,b`` runs only those sections (the selected ones 
 proportion to their shares), ``--skip a,b`` leaves some out, ``--quick`` runs smaller matrices.
 ``--device cpu`` is for the tests only: tiny shapes on the CPU, which exercise the harness, not the GPU.
 At the end the run prints the parity table and a summary naming every failure. Exit status 0 when every
-check that ran passed (exactness, context_parallel, parity exactness, steady counts, graph, compile), 1
-when one failed, 2 when CUDA is absent.
+check that ran passed (exactness, context_parallel, parity exactness, steady counts, graph, compile,
+multirank), 1 when one failed, 2 when CUDA is absent.
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 #: the sections a plain run runs, in order, with their shares of the budget (they sum to 1)
-SHARES = {"exactness": 0.20, "context_parallel": 0.06, "parity": 0.40, "steady": 0.14, "model": 0.10,
-          "multirank": 0.10}
+SHARES = {"exactness": 0.20, "context_parallel": 0.06, "parity": 0.36, "steady": 0.12, "model": 0.10,
+          "multirank": 0.16}
 #: sections that run only when named in --sections, with the share they would take
 EXTRA_SHARES = {"bench": 0.25}
 #: relative error allowed between cpattn and the baseline in bfloat16 (parity) and between a replay or a
@@ -116,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated sections to run, in this order (default: {','.join(SHARES)}; "
                         f"also: {','.join(EXTRA_SHARES)})")
     p.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    p.add_argument("--multirank-schedules", default="",
+                   help="comma-separated schedules for the multirank section (default: every registered one)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="for the tests only: 'cpu' runs the sections with tiny shapes on the CPU, which checks "
                         "the harness and measures nothing")
@@ -651,17 +655,65 @@ def bench(device: torch.device, deadline: float, seqs: list[int], reps: int) -> 
 
 
 # ------------------------------------------------------------------------------------ 2. ContextParallel
+def _cp_case(case: dict, spec: dict, judged: dict, shape: tuple[int, ...], device: torch.device) -> dict:
+    """Run one ``ContextParallel`` case (``case``: schedule, mask, dtype) on the default process group (a
+    one-rank world without one) and judge it like ``cpattn verify``: ``case`` gains errors, e_local, ok,
+    problems (or error). ``judged`` caches inputs, reference and e_local per (mask, dtype, kv heads): every
+    rank draws the same inputs from the same seed, so every rank judges the whole sequence alike."""
+    import torch
+    from cpattn.masks import from_spec
+
+    import cpattn
+    from cpattn.verify import dense_mask, local_errors, reference, rel_error
+
+    b, seq, h, hkv, d = shape
+    scale = d ** -0.5
+    try:
+        dtype = getattr(torch, case["dtype"])
+        key = (case["mask"], case["dtype"], hkv)
+        if key not in judged:
+            args = {k: v for k, v in spec.items() if k != "kind"} or None
+            allowed = dense_mask(case["mask"], seq, args, device=device)
+            gen = _generator(device, len(judged))
+            x = {n: torch.randn(b, seq, hh, d, generator=gen, device=device, dtype=torch.float64).to(dtype)
+                 for n, hh in (("q", h), ("k", hkv), ("v", hkv), ("dout", h))}
+            ref = reference(x["q"], x["k"], x["v"], x["dout"], allowed, scale)
+            judged[key] = (x, ref, local_errors(x, case["mask"], scale, allowed, ref))
+        x, ref, e_local = judged[key]
+        cp = cpattn.ContextParallel(seq, from_spec(spec), case["schedule"])
+        q, k, v = (cp.shard(x[n], dim=1).detach().requires_grad_() for n in ("q", "k", "v"))
+        out, lse = cp.attention(q, k, v, softmax_scale=scale, return_lse=True)
+        out.backward(cp.shard(x["dout"], dim=1))
+        got = {"out": cp.unshard(out, dim=1), "lse": cp.unshard(lse, dim=2), "dq": cp.unshard(q.grad, dim=1),
+               "dk": cp.unshard(k.grad, dim=1), "dv": cp.unshard(v.grad, dim=1)}
+        errors = {n: rel_error(got[n].detach(), ref[n]) for n in got}
+        bad = [n for n in errors if not errors[n] <= 2 * e_local[n] + 1e-6]
+        case.update(errors=errors, e_local=e_local, ok=not bad, problems=bad)
+    except Exception as exc:
+        _failed(case, exc)
+    return case
+
+
+def _refusal(schedule: str, spec: dict) -> str | None:
+    """Why ``schedule`` refuses the mask ``spec`` (None: it accepts it), from the registry."""
+    from cpattn.masks import from_spec
+
+    from cpattn import schedules
+
+    try:
+        schedules.get(schedule).check_mask(from_spec(spec))
+    except (ValueError, NotImplementedError) as exc:
+        return str(exc)[:300]
+    return None
+
+
 def context_parallel(device: torch.device, deadline: float, quick: bool = False) -> list[dict]:
     """Every registered schedule x causal, full, sliding_window, document at world 1; refused pairs skipped.
     Round one runs every pair in bfloat16 with GQA 4, round two (not with ``quick``) in float32 with GQA 1,
     so that a budget cut leaves every pair checked once. The reference and e_local of one (mask, dtype,
     GQA) are the same inputs for every schedule and are computed once."""
-    import torch
-    from cpattn.masks import from_spec
-
-    import cpattn
     from cpattn import schedules
-    from cpattn.verify import dense_mask, example_mask_args, local_errors, reference, rel_error
+    from cpattn.verify import example_mask_args
 
     sizes = _sizes(device, quick)
     seq, b, h, d = sizes["cp_seq"], 2, 8, 64
@@ -670,7 +722,6 @@ def context_parallel(device: torch.device, deadline: float, quick: bool = False)
     names = sizes["cp_schedules"] or schedules.names()
     masks = ["causal", "full", "sliding_window", "document"]
     rounds = [("bfloat16", h // 4)] + ([] if quick else [("float32", h)])
-    scale = d ** -0.5
     judged: dict[tuple, tuple] = {}  # (mask, dtype, hkv) -> (inputs, reference, e_local)
     results = []
     for dtype_name, hkv in rounds:
@@ -679,37 +730,14 @@ def context_parallel(device: torch.device, deadline: float, quick: bool = False)
                 case = {"schedule": schedule, "mask": mask_name, "dtype": dtype_name, "gqa": h // hkv}
                 args = example_mask_args(mask_name, seq)
                 spec = {"kind": mask_name, **(args or {})}
-                try:
-                    schedules.get(schedule).check_mask(from_spec(spec))
-                except (ValueError, NotImplementedError) as exc:
-                    results.append({**case, "skipped": REFUSED, "reason": str(exc)[:300]})
+                why = _refusal(schedule, spec)
+                if why is not None:
+                    results.append({**case, "skipped": REFUSED, "reason": why})
                     continue
                 if time.time() >= deadline:
                     results.append({**case, "skipped": SKIPPED_TIME})
                     continue
-                try:
-                    dtype = getattr(torch, dtype_name)
-                    key = (mask_name, dtype_name, hkv)
-                    if key not in judged:
-                        allowed = dense_mask(mask_name, seq, args, device=device)
-                        gen = _generator(device, len(judged))
-                        x = {n: torch.randn(b, seq, hh, d, generator=gen, device=device, dtype=torch.float64)
-                             .to(dtype) for n, hh in (("q", h), ("k", hkv), ("v", hkv), ("dout", h))}
-                        ref = reference(x["q"], x["k"], x["v"], x["dout"], allowed, scale)
-                        judged[key] = (x, ref, local_errors(x, mask_name, scale, allowed, ref))
-                    x, ref, e_local = judged[key]
-                    cp = cpattn.ContextParallel(seq, from_spec(spec), schedule)
-                    q, k, v = (cp.shard(x[n], dim=1).detach().requires_grad_() for n in ("q", "k", "v"))
-                    out, lse = cp.attention(q, k, v, softmax_scale=scale, return_lse=True)
-                    out.backward(cp.shard(x["dout"], dim=1))
-                    got = {"out": cp.unshard(out, dim=1), "lse": cp.unshard(lse, dim=2),
-                           "dq": cp.unshard(q.grad, dim=1), "dk": cp.unshard(k.grad, dim=1),
-                           "dv": cp.unshard(v.grad, dim=1)}
-                    errors = {n: rel_error(got[n].detach(), ref[n]) for n in got}
-                    bad = [n for n in errors if not errors[n] <= 2 * e_local[n] + 1e-6]
-                    case.update(errors=errors, e_local=e_local, ok=not bad, problems=bad)
-                except Exception as exc:
-                    _failed(case, exc)
+                _cp_case(case, spec, judged, (b, seq, h, hkv, d), device)
                 results.append(case)
                 status = "ok" if case["ok"] else f"FAIL {case.get('error') or case['problems']}"
                 log(f"context_parallel {schedule} {mask_name} {dtype_name} gqa={case['gqa']}: {status}")
@@ -1328,84 +1356,165 @@ def model(device: torch.device, deadline: float) -> dict:
     return out
 
 
-# ------------------------------------------------------------------------------------ 6. two ranks
-def _rank_main(rank: int, world: int, backend: str, port: int, outdir: str, device_type: str = "cuda") -> None:
-    """One rank of a two-process world on cuda:0 (or the CPU): a causal zigzag ring and an all-gather,
-    judged against the float64 reference; writes rank<r>.json into ``outdir``."""
+# ------------------------------------------------------------------------------------ 6. ranks sharing one GPU
+#: the masks and dtypes of every schedule at every world size of the multirank section
+MULTIRANK_MASKS = ("causal", "full", "document")
+MULTIRANK_DTYPES = ("bfloat16", "float32")
+MULTIRANK_WORLDS = (2, 4)
+
+
+def _all_past(deadline: float) -> bool:
+    """Whether the deadline has passed on any rank (a MAX all-reduce of a CPU flag, which gloo runs on the
+    host), so that every rank skips the same cases and none waits in a collective for another."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if time.time() >= deadline else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _rank_main(rank: int, world: int, backend: str, port: int, outdir: str, device_type: str = "cuda",
+               deadline: float = 0.0, schedules_only: tuple[str, ...] = ()) -> None:
+    """One rank of a ``world``-process group whose ranks all use cuda:0 (or the CPU); writes rank<r>.json.
+
+    NCCL: constructs a ``ContextParallel``, which must refuse the shared GPU with its own message (before
+    NCCL's first operation). gloo: every registered schedule (or ``schedules_only``) x
+    :data:`MULTIRANK_MASKS` x :data:`MULTIRANK_DTYPES`, GQA 4:1, S = 256, forward and backward against
+    the float64 reference, transfers staged through host buffers (``cpattn.core.staging``)."""
     import torch
     import torch.distributed as dist
 
     import cpattn
-    from cpattn.verify import dense_mask, local_errors, reference, rel_error
+    from cpattn import schedules
+    from cpattn.verify import example_mask_args
 
-    report = {"rank": rank, "backend": backend}
+    report: dict[str, Any] = {"rank": rank, "backend": backend, "world": world}
     try:
         dev = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
         if device_type == "cuda":
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                device_id=dev if backend == "nccl" else None)
-        seq, b, h, hkv, d, scale = 256, 1, 8, 2, 64, 0.125
-        allowed = dense_mask("causal", seq, device=dev)
-        gen = torch.Generator(device=dev).manual_seed(0)
-        x = {n: torch.randn(b, seq, hh, d, generator=gen, device=dev, dtype=torch.float64).to(torch.bfloat16)
-             for n, hh in (("q", h), ("k", hkv), ("v", hkv), ("dout", h))}
-        ref = reference(x["q"], x["k"], x["v"], x["dout"], allowed, scale)
-        e_local = local_errors(x, "causal", scale, allowed, ref)
-        for schedule in ("zigzag_ring", "allgather"):
-            cp = cpattn.ContextParallel(seq, "causal", schedule)
-            q, k, v = (cp.shard(x[n], dim=1).detach().requires_grad_() for n in ("q", "k", "v"))
-            out, lse = cp.attention(q, k, v, softmax_scale=scale, return_lse=True)
-            out.backward(cp.shard(x["dout"], dim=1))
-            got = {"out": cp.unshard(out, dim=1), "lse": cp.unshard(lse, dim=2), "dq": cp.unshard(q.grad, dim=1),
-                   "dk": cp.unshard(k.grad, dim=1), "dv": cp.unshard(v.grad, dim=1)}
-            errors = {n: rel_error(got[n].detach(), ref[n]) for n in got}
-            report[schedule] = {"errors": errors, "ok": all(errors[n] <= 2 * e_local[n] + 1e-6 for n in errors)}
+        # no device_id: NCCL would then connect at once and fail before cpattn could say why
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        if backend == "nccl":
+            try:
+                cpattn.ContextParallel(256, "causal", "ring")
+                report["refused"] = None
+            except ValueError as exc:
+                report["refused"] = str(exc)
+        else:
+            seq, b, h, hkv, d = (256, 1, 8, 2, 64) if device_type == "cuda" else (64, 1, 4, 2, 16)
+            judged: dict[tuple, tuple] = {}
+            cases = []
+            for dtype_name in MULTIRANK_DTYPES:
+                for schedule in schedules_only or tuple(schedules.names()):
+                    for mask_name in MULTIRANK_MASKS:
+                        case = {"world": world, "schedule": schedule, "mask": mask_name, "dtype": dtype_name}
+                        spec = {"kind": mask_name, **(example_mask_args(mask_name, seq) or {})}
+                        why = _refusal(schedule, spec)
+                        if why is not None:
+                            cases.append({**case, "skipped": REFUSED, "reason": why})
+                        elif _all_past(deadline):
+                            cases.append({**case, "skipped": SKIPPED_TIME})
+                        else:
+                            cases.append(_cp_case(case, spec, judged, (b, seq, h, hkv, d), dev))
+            report["cases"] = cases
         dist.destroy_process_group()
     except Exception as exc:
         report["error"] = _error_of(exc)
-    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report))
+        report["trace"] = traceback.format_exc()[-2000:]
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(report, default=str))
 
 
-def multirank(device: torch.device, timeout: float) -> dict:
-    """Two ranks on one device, NCCL then gloo on CUDA (gloo alone on the CPU); ``timeout`` seconds for all."""
+def _launch(world: int, backend: str, device: torch.device, timeout: float,
+            schedules_only: tuple[str, ...] = ()) -> dict:
+    """``world`` spawned ranks of one process group on ``device``; their reports, or why there are none.
+    The ranks stop starting cases at 85% of ``timeout`` and are killed at ``timeout``."""
     import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
-    backends = ("nccl", "gloo") if _is_cuda(device) else ("gloo",)
-    if timeout < 5 * len(backends):  # too little to start two processes and a process group
-        return {"skipped": SKIPPED_TIME}
-    results = {}
-    for backend in backends:
-        with socket.socket() as s_:
-            s_.bind(("127.0.0.1", 0))
-            port = s_.getsockname()[1]
+    from cpattn.core.staging import STAGE_ENV
+
+    with socket.socket() as s_:
+        s_.bind(("127.0.0.1", 0))
+        port = s_.getsockname()[1]
+    started = time.time()
+    stage = os.environ.get(STAGE_ENV)
+    if not _is_cuda(device):
+        os.environ[STAGE_ENV] = "1"  # CPU tensors on gloo are staged only when forced: the tests force it
+    try:
         with tempfile.TemporaryDirectory() as outdir:
             ctx = mp.get_context("spawn")
-            procs = [ctx.Process(target=_rank_main, args=(r, 2, backend, port, outdir, device.type))
-                     for r in range(2)]
+            procs = [ctx.Process(target=_rank_main, args=(r, world, backend, port, outdir, device.type,
+                                                          started + 0.85 * timeout, schedules_only))
+                     for r in range(world)]
             for p in procs:
                 p.start()
-            deadline = time.time() + timeout / len(backends)
             for p in procs:
-                p.join(max(0.0, deadline - time.time()))
+                p.join(max(0.0, started + timeout - time.time()))
             hung = [p.pid for p in procs if p.is_alive()]
             for p in procs:
                 if p.is_alive():
                     p.kill()
                     p.join()
             ranks = [json.loads(f.read_text()) for f in sorted(Path(outdir).glob("rank*.json"))]
-        entry = {"ranks": ranks, "exitcodes": [p.exitcode for p in procs]}
-        if hung:
-            entry["error"] = f"timed out after {timeout / len(backends):.0f} s (killed pids {hung})"
-        entry["ok"] = (not hung and len(ranks) == 2 and all("error" not in r for r in ranks)
-                       and all(r[s]["ok"] for r in ranks for s in ("zigzag_ring", "allgather")))
-        results[backend] = entry
-        why = entry.get("error") or [r.get("error") for r in ranks]
-        log(f"multirank {backend}: {'ok' if entry['ok'] else f'not ok: {why}'}")
-    return results
+    finally:
+        if stage is None:
+            os.environ.pop(STAGE_ENV, None)
+        else:
+            os.environ[STAGE_ENV] = stage
+    entry: dict[str, Any] = {"world": world, "backend": backend, "seconds": round(time.time() - started, 1),
+                             "exitcodes": [p.exitcode for p in procs]}
+    if hung:
+        entry["error"] = f"timed out after {timeout:.0f} s (killed pids {hung})"
+    errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if "error" in r]
+    if errors:
+        entry["error"] = "; ".join(errors)[:2000]
+    if len(ranks) < world and "error" not in entry:
+        entry["error"] = f"{world - len(ranks)} rank(s) wrote no report (exit codes {entry['exitcodes']})"
+    entry["ranks"] = ranks
+    return entry
+
+
+def multirank(device: torch.device, timeout: float, schedules_only: tuple[str, ...] = ()) -> dict:
+    """Ranks sharing one GPU (the CPU under ``--device cpu``): on CUDA, NCCL with two ranks on cuda:0 must be
+    refused by cpattn with its own message (a check: ``nccl.ok``); then, for P in :data:`MULTIRANK_WORLDS`,
+    one launch of P gloo ranks runs every schedule x mask x dtype (:func:`_rank_main`) with staged
+    transfers. ``cases`` lists each (P, schedule, mask, dtype) once, judged on rank 0 (every rank holds the
+    whole unsharded result); a rank's error fails the launch."""
+    launches = (["nccl"] if _is_cuda(device) else []) + [f"gloo{p}" for p in MULTIRANK_WORLDS]
+    weights = {"nccl": 1.0, "gloo2": 2.0, "gloo4": 3.0}  # the larger world runs the same cases on more ranks
+    if timeout < 8 * len(launches):  # too little to start the processes and a process group each
+        return {"skipped": SKIPPED_TIME}
+    result: dict[str, Any] = {"cases": []}
+    left = timeout
+    for i, name in enumerate(launches):
+        share = left * weights[name] / sum(weights[n] for n in launches[i:])
+        t0 = time.time()
+        if name == "nccl":
+            entry = _launch(2, "nccl", device, share)
+            refusals = [r.get("refused") for r in entry["ranks"]]
+            entry["ok"] = (len(refusals) == 2 and all(r and "gloo" in r for r in refusals))
+            entry["expected"] = "cpattn refuses two NCCL ranks on one GPU, naming the staged gloo alternative"
+            result["nccl"] = entry
+            log(f"multirank nccl: {'refused as expected' if entry['ok'] else 'NOT refused: ' + str(entry)[:300]}")
+        else:
+            world = int(name[4:])
+            entry = _launch(world, "gloo", device, share, schedules_only)
+            ranks = entry.pop("ranks")
+            cases = next((r.get("cases", []) for r in ranks if r.get("rank") == 0), [])
+            result["cases"] += cases
+            ran = [c for c in cases if "skipped" not in c]
+            entry.update(ran=len(ran), passed=sum(bool(c.get("ok")) for c in ran),
+                         skipped_for_time=sum(c.get("skipped") == SKIPPED_TIME for c in cases))
+            entry["ok"] = "error" not in entry and entry["passed"] == entry["ran"]
+            result[name] = entry
+            log(f"multirank gloo P={world}: {entry['passed']}/{entry['ran']} exact, "
+                f"{entry['skipped_for_time']} skipped for time" + (f"; {entry['error']}" if "error" in entry else ""))
+        left = max(0.0, left - (time.time() - t0))
+    return result
 
 
 # ------------------------------------------------------------------------------------ main
@@ -1482,7 +1591,7 @@ def _run(args: argparse.Namespace, device: torch.device, started: float) -> int:
         "parity": lambda t: parity(device, time.time() + t, args.reps, args.quick),
         "steady": lambda t: steady(device, time.time() + t, args.reps),
         "model": lambda t: model(device, time.time() + t),
-        "multirank": lambda t: multirank(device, t),
+        "multirank": lambda t: multirank(device, t, tuple(s for s in args.multirank_schedules.split(",") if s)),
     }
     for i, name in enumerate(sections):
         # this section's share of what is left: time one section leaves unused goes to those after it
@@ -1515,7 +1624,7 @@ def _brief(case: dict) -> str:
 
 def failures(report: dict) -> tuple[list[str], list[str]]:
     """``(failures, notes)``: every check that ran and failed, named; notes for what informs without
-    failing the run (multirank on one GPU, a model measurement that ran but disagreed)."""
+    failing the run (a model measurement that ran but disagreed)."""
     failed, notes = [], []
     for section, val in report.items():
         if isinstance(val, dict) and "error" in val and "trace" in val:  # the section itself raised
@@ -1551,10 +1660,12 @@ def failures(report: dict) -> tuple[list[str], list[str]]:
                          "(bf16 rounding can flip a near tie)")
     mr = report.get("multirank")
     if isinstance(mr, dict) and "trace" not in mr and "skipped" not in mr:
-        for backend, entry in mr.items():
-            if not entry.get("ok"):
-                why = entry.get("error") or [r.get("error") for r in entry.get("ranks", [])]
-                notes.append(f"multirank {backend}: not ok: {str(why)[:300]}")
+        for case in mr.get("cases", []):
+            if "skipped" not in case and not case.get("ok"):
+                failed.append(f"multirank: {_brief(case)}")
+        for name, entry in mr.items():
+            if isinstance(entry, dict) and not entry.get("ok"):
+                failed.append(f"multirank {name}: {str(entry.get('error') or entry)[:300]}")
     return failed, notes
 
 

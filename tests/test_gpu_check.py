@@ -121,7 +121,9 @@ def test_json_report_holds_only_the_selected_sections(run):
     assert not {"exactness", "bench", "steady", "model", "multirank"} & set(report)
     assert set(report["seconds"]) == {"context_parallel", "parity", "total"}
     # the first section's share of the two; the second gets the rest of the budget, what the first left included
-    assert report["allotted_s"]["context_parallel"] <= report["budget_s"] * 0.06 / 0.46
+    share = gpu_check.SHARES
+    assert report["allotted_s"]["context_parallel"] <= report["budget_s"] * share["context_parallel"] / (
+        share["context_parallel"] + share["parity"])
     assert report["allotted_s"]["parity"] <= report["budget_s"]
     assert report["env"]["device_type"] == "cpu"
 
@@ -129,7 +131,7 @@ def test_json_report_holds_only_the_selected_sections(run):
 def test_sections_order_skip_and_unknown_names():
     parse, select = gpu_check.parse_args, gpu_check.selected_sections
     assert select(parse([])) == ["exactness", "context_parallel", "parity", "steady", "model", "multirank"]
-    assert abs(sum(gpu_check.SHARES.values()) - 1.0) < 1e-9 and gpu_check.SHARES["multirank"] == 0.10
+    assert abs(sum(gpu_check.SHARES.values()) - 1.0) < 1e-9 and gpu_check.SHARES["multirank"] == 0.16
     assert select(parse(["--sections", "multirank,bench,exactness"])) == ["exactness", "bench", "multirank"]
     assert select(parse(["--skip", "model,multirank"]))[-1] == "steady"
     assert parse([]).budget == 300.0
@@ -182,16 +184,20 @@ def test_failures_name_every_failed_check():
                    "graph": {"ok": True}, "compile": {"ok": False, "error": "graph break"}},
         "model": {"train_step": {"cpattn": {"ok": False, "error": "OOM", "trace": "..."}},
                   "generate": {"tokens_agree": False, "first_difference": 7}},
-        "multirank": {"nccl": {"ok": False, "error": "duplicate GPU"}},
+        "multirank": {"nccl": {"ok": False, "error": "NCCL ran two ranks on one GPU"},
+                      "gloo2": {"ok": True, "ran": 2, "passed": 1},
+                      "cases": [{"world": 2, "schedule": "usp", "mask": "full", "ok": False, "problems": ["dk"]},
+                                {"world": 2, "schedule": "ring", "mask": "full", "ok": True},
+                                {"world": 2, "schedule": "ringx4o", "mask": "full", "skipped": gpu_check.REFUSED}]},
     }
     failed, notes = gpu_check.failures(report)
     text = "\n".join(failed)
-    assert len(failed) == 5
+    assert len(failed) == 7
     for name in ("context_parallel", "parity 32K document d128", "steady document", "steady compile",
-                 "model train_step cpattn"):
+                 "model train_step cpattn", "multirank nccl", '"schedule": "usp"'):
         assert name in text
-    assert "64K full" not in text and "ringx1o" not in text
-    assert any("multirank nccl" in n for n in notes) and any("position 7" in n for n in notes)
+    assert "64K full" not in text and "ringx1o" not in text and "ringx4o" not in text
+    assert any("position 7" in n for n in notes)
 
 
 def test_local_errors_builds_its_masks_where_the_given_mask_is(monkeypatch):
@@ -258,10 +264,16 @@ def test_model_section_on_the_cpu():
 @pytest.mark.slow
 def test_exactness_bench_and_multirank_sections_on_the_cpu(tmp_path):
     out = tmp_path / "r.json"
-    rc, _ = _main("--device", "cpu", "--sections", "exactness,bench,multirank", "--reps", "1", "--out", str(out))
+    rc, _ = _main("--device", "cpu", "--sections", "exactness,bench,multirank", "--reps", "1", "--out", str(out),
+                  "--multirank-schedules", "ring,ulysses,ringx1o", "--budget", "400")
     report = json.loads(out.read_text())
     assert rc == 0 and report["failures"] == []
     ran = [c for c in report["exactness"] if "skipped" not in c]
     assert ran and all(c["ok"] for c in ran)
     assert {r["kind"] for r in report["bench"]} == {"causal", "full"}
-    assert report["multirank"]["gloo"]["ok"] and "nccl" not in report["multirank"]
+    mr = report["multirank"]
+    assert mr["gloo2"]["ok"] and mr["gloo4"]["ok"] and "nccl" not in mr
+    ran = {(c["world"], c["schedule"], c["mask"], c["dtype"]) for c in mr["cases"] if "skipped" not in c}
+    assert (4, "ulysses", "document", "float32") in ran and all(c["ok"] for c in mr["cases"] if "skipped" not in c)
+    assert {(c["schedule"], c["mask"]) for c in mr["cases"] if c.get("skipped") == gpu_check.REFUSED} == \
+        {("ringx1o", "causal"), ("ringx1o", "document")}
