@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import agree, cost, planner, schedules
-from .core import kernels, memo
+from .core import kernels, memo, placement
 from .core import layout as layout_mod
 from .core.comm import Communicator, DeviceMesh
 from .core.masks import Mask, causal, full, has_documents, resolve, sliding_window
@@ -178,6 +178,11 @@ class ContextParallel:
         self.comm = Communicator(group)
         self._setup = self.comm.view(record=False)  # agreement, planning and unshard traffic is not attention's
         self._exchange_device = _exchange_device(self.comm)
+        # where every rank runs, through the group's store (no backend call): an NCCL group with two ranks
+        # on one GPU is refused here, before NCCL's first operation would fail, the same on every rank
+        self._places = placement.exchange(self._setup) if check != "off" else None
+        if self._places is not None:
+            placement.refuse_nccl_sharing(self._places, self.comm.backends)
         error, self._fingerprint = None, {}
         self._memo = BoundedCache(MEMO_KEPT)  # what this object's choices, plans and runs remember
         try:
@@ -561,14 +566,24 @@ class ContextParallel:
     # ------------------------------------------------------------------ memory
     def available_memory(self, device: torch.device) -> tuple[int, str]:
         """Bytes this rank can still allocate on ``device`` and where the figure comes from:
-        ``memory_limit`` when given, else the device's free memory (CUDA: free plus what torch's
-        allocator holds unused), else the host's available memory."""
+        ``memory_limit`` when given, else this rank's share of the device's free memory (CUDA: 1/k of
+        the GPU's free memory for the k ranks of the group on that GPU, plus what torch's allocator
+        holds unused in this process), else 1/k of the host's available memory for the k ranks of the
+        group on this host. k comes from the placement exchanged at construction (1 with
+        ``check="off"``)."""
         if self.memory_limit is not None:
             return self.memory_limit, "memory_limit"
+        ranks = 1 if self._places is None else placement.sharers(self._places, self.rank, device.type)
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
-            return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), f"{device} free"
-        return psutil.virtual_memory().available, "host memory available"
+            unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            if ranks == 1:
+                return free + unused, f"{device} free"
+            return free // ranks + unused, f"1/{ranks} of {device} free: {ranks} ranks of the group share it"
+        available = psutil.virtual_memory().available
+        if ranks == 1:
+            return available, "host memory available"
+        return available // ranks, f"1/{ranks} of the host memory available: {ranks} ranks of the group on this host"
 
     def peak_memory(self, q: torch.Tensor, k: torch.Tensor, schedule: Schedule | None = None) -> int:
         """The model's peak bytes per rank (``cpattn.cost``) of one call with local ``q``, ``k`` on

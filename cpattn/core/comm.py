@@ -34,6 +34,10 @@ stats of its own sub-communicator (:meth:`Communicator.level_stats`).
 With ``cpattn.core.trace.recording()`` active, every call is also recorded (issue and wait), for the
 tests that compare a schedule's run with its ``steps()``; with ``cpattn.core.trace.timeline()`` active, the
 issue and the wait's start and end are stamped with wall time (``cpattn bench --trace``).
+
+On a gloo group, calls on CUDA tensors (and on CPU tensors when forced: ``stage=True`` or
+``CPATTN_STAGE=1``) run through reused host buffers (:mod:`cpattn.core.staging`), which lets P ranks
+share one GPU; the accounting is the same either way.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from . import trace
+from .staging import Stager, StagingPool, device_backends
 from .steps import TREE_OPS, payload
 from .steps import wire as wire_bytes
 from .topology import Topology
@@ -140,10 +145,17 @@ class Communicator:
     every schedule also runs as plain local attention. ``record=False``: never recorded by
     ``cpattn.core.trace`` (traffic that is not the schedule's own, e.g. ``unshard`` or the levels of a
     hierarchical collective, which is recorded as one call).
+
+    ``stage``: whether calls run through host buffers (:mod:`cpattn.core.staging`): None (CUDA tensors
+    on a gloo group, and CPU tensors too when ``CPATTN_STAGE=1``), True (CPU tensors too; the group must
+    use gloo) or False (never). ``staging_pool``: the pool to take buffers from (a communicator's
+    levels share their parent's; default a new one).
     """
 
-    def __init__(self, group: dist.ProcessGroup | DeviceMesh | None = None, record: bool = True) -> None:
+    def __init__(self, group: dist.ProcessGroup | DeviceMesh | None = None, record: bool = True,
+                 stage: bool | None = None, staging_pool: StagingPool | None = None) -> None:
         self.record = record
+        self.stage = stage
         #: (rail, node) process groups of a 2-D mesh, or of a topology (see :meth:`setup_levels`)
         self._levels: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
         self._levels_shape: tuple[int, int] | None = None
@@ -156,6 +168,8 @@ class Communicator:
             self.group = None
             self.rank, self.world_size = 0, 1
             self._global_ranks = [0]
+            self.backends: dict[str, str] = {}  # device type -> backend name
+            self._stager: Stager | None = None
         else:
             self.group = group if group is not None else dist.group.WORLD
             if self.group == dist.GroupMember.NON_GROUP_MEMBER:
@@ -163,6 +177,9 @@ class Communicator:
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
             self._global_ranks = dist.get_process_group_ranks(self.group)
+            self.backends = device_backends(self.group)
+            pool = staging_pool or StagingPool(poison=os.environ.get(POISON_ENV) == "1")
+            self._stager = Stager(self.backends, stage, pool)
         self._stats: dict[str, dict[str, int]] = defaultdict(_new_counts)
         self._topology: Topology | None = None
         self._chooser: Callable[[str, int], str] | None = None
@@ -193,6 +210,12 @@ class Communicator:
         return other
 
     # ------------------------------------------------------------------ bookkeeping
+    @property
+    def staging(self) -> StagingPool | None:
+        """The pool of host buffers staged calls use (its ``allocations`` count the buffers made), or
+        None without a process group."""
+        return self._stager.pool if self._stager is not None else None
+
     @property
     def levels_shape(self) -> tuple[int, int] | None:
         """(nodes, devices per node) of the two levels set up (from a 2-D mesh, or :meth:`setup_levels`)."""
@@ -271,18 +294,29 @@ class Communicator:
         ``tag`` separates message streams between the same pair of ranks (e.g. kv vs gradients).
         Returns a handle; wait on it before reading received tensors or reusing sent ones."""
         start = trace.now()
-        ops, counted = [], []
-        for t, peer in sends:
-            ops.append(dist.P2POp(dist.isend, t, self.global_rank(peer), self.group, tag))
-            counted.append(self._count("send", _nbytes(t)))
-        for t, peer in recvs:
-            ops.append(dist.P2POp(dist.irecv, t, self.global_rank(peer), self.group, tag))
-            counted.append(self._count("recv", _nbytes(t)))
-        if not ops:
+        kinds = [(dist.isend, self.global_rank(peer)) for _, peer in sends]
+        kinds += [(dist.irecv, self.global_rank(peer)) for _, peer in recvs]
+        counted = [self._count("send", _nbytes(t)) for t, _ in sends]
+        counted += [self._count("recv", _nbytes(t)) for t, _ in recvs]
+        if not kinds:
             return _Done()
-        return self._issue(counted, _Many(dist.batch_isend_irecv(ops)), start=start)
+
+        def launch(*tensors: torch.Tensor) -> _Many:
+            ops = [dist.P2POp(fn, t, peer, self.group, tag) for (fn, peer), t in zip(kinds, tensors)]
+            return _Many(dist.batch_isend_irecv(ops))
+
+        work = self._start(launch, *((t, "in") for t, _ in sends), *((t, "out") for t, _ in recvs))
+        return self._issue(counted, work, start=start)
 
     # ------------------------------------------------------------------ collectives
+    def _start(self, launch: Callable[..., object], *tensors: tuple[torch.Tensor, str]):
+        """``launch(*tensors)``, which starts a call and returns its work, on the call's tensors (each
+        ``(tensor, "in" | "out" | "inout")``: read, written or both), or on host buffers standing for
+        them when this communicator stages the call (:mod:`cpattn.core.staging`)."""
+        if self._stager is not None and self._stager.wants(tensors[0][0]):
+            return self._stager.start(launch, tensors)
+        return launch(*(t for t, _ in tensors))
+
     def _issue(self, counted: list[tuple[str, int, int]], work, async_op: bool = True, start=None):
         """The handle of a call already counted (``counted``) and started (``work``; None: done),
         recorded when ``cpattn.core.trace`` records or stamps a timeline; waited for here unless ``async_op``.
@@ -303,8 +337,10 @@ class Communicator:
         counted = [self._count("broadcast", _nbytes(t), root=src)]
         if self.world_size == 1:
             return self._issue(counted, None, async_op, start=start)
-        return self._issue(counted, dist.broadcast(t, self.global_rank(src), group=self.group, async_op=True),
-                           async_op, start=start)
+        root = self.global_rank(src)
+        work = self._start(lambda x: dist.broadcast(x, root, group=self.group, async_op=True),
+                           (t, "in" if self.rank == src else "out"))
+        return self._issue(counted, work, async_op, start=start)
 
     def reduce(self, t: torch.Tensor, dst: int, op: str = "sum", async_op: bool = False):
         """Reduce ``t`` (in place) onto group rank ``dst``; other ranks' ``t`` is scratch afterwards."""
@@ -312,7 +348,9 @@ class Communicator:
         counted = [self._count("reduce", _nbytes(t), root=dst)]
         if self.world_size == 1:
             return self._issue(counted, None, async_op, start=start)
-        work = dist.reduce(t, self.global_rank(dst), op=_REDUCE_OPS[op], group=self.group, async_op=True)
+        root = self.global_rank(dst)
+        work = self._start(lambda x: dist.reduce(x, root, op=_REDUCE_OPS[op], group=self.group, async_op=True),
+                           (t, "inout" if self.rank == dst else "in"))
         return self._issue(counted, work, async_op, start=start)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
@@ -320,8 +358,9 @@ class Communicator:
         counted = [self._count("all_reduce", _nbytes(t))]
         if self.world_size == 1:
             return self._issue(counted, None, async_op, start=start)
-        return self._issue(counted, dist.all_reduce(t, op=_REDUCE_OPS[op], group=self.group, async_op=True),
-                           async_op, start=start)
+        work = self._start(lambda x: dist.all_reduce(x, op=_REDUCE_OPS[op], group=self.group, async_op=True),
+                           (t, "inout"))
+        return self._issue(counted, work, async_op, start=start)
 
     def _check_and_count_gather(self, out: torch.Tensor, t: torch.Tensor) -> list[tuple[str, int, int]]:
         """Shape check and payload of an all-gather (flat or hierarchical: the same per rank)."""
@@ -344,8 +383,9 @@ class Communicator:
         if self.world_size == 1:
             out.copy_(t.view_as(out))
             return self._issue(counted, None, async_op, start=start)
-        return self._issue(counted, _ALL_GATHER(out.view(-1), t.reshape(-1), group=self.group, async_op=True),
-                           async_op, start=start)
+        work = self._start(lambda o, i: _ALL_GATHER(o.view(-1), i.reshape(-1), group=self.group, async_op=True),
+                           (out, "out"), (t, "in"))
+        return self._issue(counted, work, async_op, start=start)
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` over ranks; rank r keeps the r-th of world_size equal slices in ``out``."""
@@ -354,8 +394,9 @@ class Communicator:
         if self.world_size == 1:
             out.copy_(t.view_as(out))
             return self._issue(counted, None, async_op, start=start)
-        return self._issue(counted, _REDUCE_SCATTER(out.view(-1), t.reshape(-1), group=self.group, async_op=True),
-                           async_op, start=start)
+        work = self._start(lambda o, i: _REDUCE_SCATTER(o.view(-1), i.reshape(-1), group=self.group,
+                                                        async_op=True), (out, "out"), (t, "in"))
+        return self._issue(counted, work, async_op, start=start)
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Equal-split all-to-all along the first dim (slice j of ``t`` goes to rank j)."""
@@ -364,8 +405,9 @@ class Communicator:
         if self.world_size == 1:
             out.copy_(t)
             return self._issue(counted, None, async_op, start=start)
-        return self._issue(counted, dist.all_to_all_single(out, t, group=self.group, async_op=True), async_op,
-                           start=start)
+        work = self._start(lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True),
+                           (out, "out"), (t, "in"))
+        return self._issue(counted, work, async_op, start=start)
 
     # ------------------------------------------------------------------ hierarchical collectives
     def setup_levels(self, topology: Topology | None) -> bool:
@@ -423,7 +465,8 @@ class Communicator:
             return None
         if self._subs is None:
             rail, node = self._levels
-            self._subs = (Communicator(rail, record=False), Communicator(node, record=False))
+            self._subs = tuple(Communicator(g, record=False, stage=self.stage, staging_pool=self.staging)
+                               for g in (rail, node))
         return self._subs
 
     def level_stats(self) -> dict[str, dict[str, int]]:
