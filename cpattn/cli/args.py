@@ -168,11 +168,28 @@ def dtypes(*, float64: bool = False) -> list[str]:
 
 
 def load_profile(path: str | None):
-    """``--profile``: the calibration profile at ``path``, or at the default location (None when there is
-    none)."""
+    """``--profile``: the calibration profile at ``path`` (or the shipped GPU profile of that name,
+    ``cpattn.cost.profile.SHIPPED``), or at the default location (None when there is none)."""
     from ..cost import profile
 
+    if path in profile.SHIPPED:
+        return profile.shipped(path)
     return profile.load(path) if path else profile.load_default()
 
 
-__all__ = ["TopologyArg", "csv", "device_counts", "dtypes", "layouts", "load_profile", "mask", "masks", "topology"]
+def topology_profile(topology: TopologyArg, path: str | None):
+    """The profile ``--profile`` gives ``--topology``: ``local`` reads ``path`` or the default location; a
+    GPU preset a GPU profile at ``path`` or shipped under that name (None without one: the preset's own
+    default, ``cpattn.cost.presets.DEFAULT_PROFILES``, or its data-sheet figures); ``NxD`` takes none
+    (ValueError when one is given)."""
+    if topology.preset == "local":
+        return load_profile(path)
+    if path is None:
+        return None
+    if topology.preset is None:
+        raise ValueError(f"--profile prices a preset's devices; --topology {topology.text} has generic figures")
+    return load_profile(path)
+
+
+__all__ = ["TopologyArg", "csv", "device_counts", "dtypes", "layouts", "load_profile", "mask", "masks", "topology",
+           "topology_profile"]

@@ -23,8 +23,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="build (or load) an UltraAttn plan: print the placement and predicted time, "
                                      "draw a heatmap and a timeline")
     pl.add_argument("--topology", type=a.topology(), default="dgx-h100",
-                    help="a preset (dgx-h100, dgx-a100, frontier, local) or NxD, e.g. 2x4, which implies --gpus "
-                         "(default dgx-h100)")
+                    help="a preset (dgx-h100, dgx-h200, dgx-a100, frontier, local) or NxD, e.g. 2x4, which implies "
+                         "--gpus (default dgx-h100)")
     pl.add_argument("--gpus", "-P", type=a.positive, default=None,
                     help=f"number of devices (default {DEFAULT_GPUS}, or the devices of an NxD topology)")
     pl.add_argument("--seq", type=a.positive, default=65536, help="global sequence length (default 65536)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..cost.documents import DISTRIBUTIONS
+from ..cost.profile import SHIPPED
 from . import args as a
 from .output import Column, footnotes, save_json, schedule_style, stderr, stdout, table, to_stdout
 
@@ -24,8 +26,8 @@ MODEL_TABLE = (Column("schedule", "left"), Column("step s"), Column("attention s
 def add_parser(sub) -> argparse.ArgumentParser:
     m = sub.add_parser("simulate", help="predict every schedule on a topology preset at many GPU counts")
     m.add_argument("--topology", type=a.topology(), default="frontier",
-                   help="frontier, dgx-h100, dgx-a100 or local (default frontier), or NxD (generic figures, "
-                        "implies --gpus)")
+                   help="frontier, dgx-h100, dgx-h200, dgx-a100 or local (default frontier), or NxD (generic "
+                        "figures, implies --gpus)")
     m.add_argument("--gpus", type=a.csv(a.positive), default=None,
                    help="comma-separated GPU counts (default 8,64,512,4096, or the devices of an NxD topology)")
     m.add_argument("--seq", type=a.positive, default=None, help="global sequence length (strong scaling)")
@@ -33,6 +35,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--mask", type=a.mask, default="causal",
                    help='causal, full, or a mask spec (cpattn.masks.from_spec) as JSON, e.g. '
                         '\'{"kind": "star", "block_size": 2048, "sink": 1}\'')
+    m.add_argument("--documents", choices=sorted(DISTRIBUTIONS), default=None,
+                   help="pack documents drawn from a published length distribution into each sequence "
+                        "(cpattn.cost.documents; magiattention: MagiAttention's CP benchmark), under --mask causal "
+                        "or full")
+    m.add_argument("--seed", type=int, default=0, help="--documents: the seed of the packing (default 0)")
     m.add_argument("--batch", type=a.positive, default=1)
     m.add_argument("--heads", type=a.positive, default=32)
     m.add_argument("--kv-heads", type=a.positive, default=8)
@@ -41,6 +48,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     m.add_argument("--phase", default="forward+backward", choices=["forward", "backward", "forward+backward"])
     m.add_argument("--schedules", type=a.csv(str), default=None,
                    help="comma-separated (default: all registered; ultra only for masks other than causal and full)")
+    m.add_argument("--tflops", action="store_true",
+                   help="print attention TFLOP/s per GPU, forward / backward, one row per schedule and one column "
+                        "per GPU count (in place of the time table; --phase does not apply)")
+    m.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="ultra: about how long its planner's solves may take per plan (default: the planner's, "
+                        "cpattn.planner.PlanOptions)")
     m.add_argument("--model", default=None, help="model-level mode: a decoder config (e.g. llama3-8b) trained with "
                                                  "--cp x --dp; predicts step time and MFU per schedule")
     m.add_argument("--cp", type=int, default=None, help="model mode: context-parallel degree")
@@ -58,7 +71,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "devices, the key/value cache sharded over the context-parallel group")
     m.add_argument("--tp", type=a.positive, default=1, help="inference mode: tensor-parallel devices per "
                                                             "context-parallel rank (default 1)")
-    m.add_argument("--profile", help="calibration profile for --topology local")
+    m.add_argument("--profile",
+                   help="a calibration profile (a path, or a shipped GPU profile by name: "
+                        f"{', '.join(SHIPPED)}): for --topology local, this machine's (default: the default "
+                        "location); for a GPU preset, a GPU profile whose measured kernel rates replace the data-sheet "
+                        "ones (dgx-h200's default: h200-2026-12-04-cudnn)")
     m.add_argument("--algorithm", type=a.algorithm, default=None,
                    help="collective algorithms: auto (what NCCL/RCCL pick per op and size), ring, tree (for "
                         "all-reduce, broadcast and reduce), or per op, e.g. 'all_reduce:tree;broadcast:ring' (default: "
@@ -94,15 +111,38 @@ def algorithm_choice(given: str | None) -> str | None:
     return f"all_reduce:{bare}" if bare in ("ring", "tree") else env
 
 
+def _mask_label(args, mask) -> str:
+    """The mask as the title names it: its repr, or the documents packed under it (``--documents``)."""
+    if args.documents is None:
+        return repr(mask)
+    return f"{args.documents} documents (seed {args.seed}), {args.mask}"
+
+
+def _masks(args, seqs: list[int]) -> dict:
+    """``{seq: mask}`` for every sequence length: ``--mask``, or with ``--documents`` a document mask of
+    lengths packed into that many tokens (causal when ``--mask`` is causal, else full)."""
+    from ..core.masks import document, resolve
+    from ..cost import documents
+
+    if args.documents is None:
+        mask = resolve(args.mask)
+        return dict.fromkeys(seqs, mask)
+    if args.mask not in ("causal", "full"):
+        raise ValueError(f"--documents packs documents under a causal or full mask, not --mask {args.mask!r}")
+    return {seq: document(documents.pack(args.documents, seq, args.seed), causal=args.mask == "causal")
+            for seq in seqs}
+
+
 def run(args) -> int:
     from dataclasses import replace
 
     from rich.progress import Progress
 
     from .. import cost, schedules
-    from ..core.masks import resolve
     from ..core.steps import split_phase
 
+    if (args.inference or args.model is not None) and (args.tflops or args.documents):
+        raise ValueError("--tflops and --documents apply to the schedule tables, not to --model or --inference")
     if args.inference:
         from .simulate_inference import run_inference
 
@@ -112,7 +152,9 @@ def run(args) -> int:
     if (args.seq is None) == (args.seq_per_gpu is None):
         raise ValueError("give exactly one of --seq (global tokens) and --seq-per-gpu (tokens per GPU)")
     gpus = a.device_counts(args.topology, args.gpus, DEFAULT_GPUS, "--gpus")
-    mask = resolve(args.mask)
+    seqs = {p: args.seq if args.seq is not None else args.seq_per_gpu * p for p in gpus}
+    mask_of = _masks(args, sorted(set(seqs.values())))
+    mask = mask_of[seqs[gpus[0]]]  # which schedules run it (a packing of documents stands for the others)
     names, skipped, unmodelled = [], [], []
     candidates = args.schedules or cost.default_candidates(mask)
     unplanned = [] if args.schedules else [n for n in schedules.names() if n not in candidates]
@@ -123,31 +165,87 @@ def run(args) -> int:
             skipped.append(name)
             continue
         (names if cost.estimable(name) else unmodelled).append(name)
-    prof = a.load_profile(args.profile) if args.topology.preset == "local" else None
+    prof = a.topology_profile(args.topology, args.profile)
     algo = algorithm_choice(args.algorithm)
-    rows, bounds = [], {}
+    # the row's key of each phase's estimate ("estimate": the --phase table's one, as --json has always named it)
+    phases = {"forward": "forward", "backward": "backward"} if args.tflops else {"estimate": args.phase}
+    rows, bounds, device = [], {}, None
     with Progress(console=stderr(), transient=True) as progress:
         task = progress.add_task("simulate", total=len(gpus) * len(names))
         for p in gpus:
             topo = args.topology.build(p, prof)
             if algo is not None:
                 topo = replace(topo, algorithm=algo)
-            seq = args.seq if args.seq is not None else args.seq_per_gpu * p
+            device = topo.device
+            seq = seqs[p]
             try:
-                problem = cost.Problem(seq, p, mask, args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype)
+                problem = cost.Problem(seq, p, mask_of[seq], args.batch, args.heads, args.kv_heads, args.head_dim,
+                                       args.dtype)
             except ValueError as exc:
-                rows += [{"gpus": p, "seq": seq, "schedule": n, "estimate": None, "note": str(exc)} for n in names]
+                rows += [{"gpus": p, "seq": seq, "schedule": n, **dict.fromkeys(phases), "note": str(exc)}
+                         for n in names]
                 progress.advance(task, len(names))
                 continue
-            dev = topo.device  # the bound: every rank does 1/P of the work at the large-block rates
-            bounds[p] = sum(problem.flops(ph) / p / (dev.forward_flops if ph == "forward" else dev.backward_flops)
-                            for ph in split_phase(args.phase))
+            # the bound: every rank does 1/P of the work at the large-block rates
+            bounds[p] = {ph: problem.flops(ph) / p / (device.forward_flops if ph == "forward" else
+                                                      device.backward_flops) for ph in split_phase(args.phase)}
             for name in names:
                 progress.update(task, description=f"P={p} {name}")
-                rows.append(_row(name, problem, topo, args.phase))
+                sched = _schedule(name, args)
+                row = {"gpus": p, "seq": seq, "schedule": name, "note": ""}
+                for key, phase in phases.items():
+                    one = _row(sched, problem, topo, phase)
+                    row[key], row["note"] = one["estimate"], row["note"] or one["note"]
+                rows.append(row)
                 progress.advance(task)
-    notes, ring = [], {r["gpus"]: r["estimate"] for r in rows if r["schedule"] == "ring" and r["estimate"] is not None}
-    cells = []
+    out = stdout(to_stdout(args.json))
+    title = (f"cpattn simulate: {args.topology}, {_mask_label(args, mask)}, h={args.heads}:{args.kv_heads} "
+             f"d={args.head_dim} b={args.batch} {args.dtype}, {'forward / backward' if args.tflops else args.phase}, "
+             f"collectives {algo or 'default'}")
+    if args.tflops:
+        _print_tflops(out, rows, gpus, names, title)
+    else:
+        _print_times(out, rows, title)
+    if device is not None:
+        out.print(f"device: {device.name}", highlight=False)
+    if bounds and args.tflops:
+        out.print("balanced bound (every GPU does 1/P of the work at the device's large-block rate, no "
+                  f"communication): {device.forward_flops / 1e12:.0f} / {device.backward_flops / 1e12:.0f} TFLOP/s "
+                  "per GPU")
+    elif bounds:
+        out.print("balanced bound (every GPU does 1/P of the work at the device's large-block rate, no "
+                  "communication): " + ", ".join(f"P={p}: {sum(b.values()) * 1e3:.4g} ms" for p, b in bounds.items()))
+    if skipped:
+        out.print(f"not shown, they cannot run the {mask.name} mask: {', '.join(skipped)}")
+    if unmodelled:
+        out.print(f"not modelled (they do not implement steps(problem, phase)): {', '.join(unmodelled)}")
+    if unplanned:
+        out.print(f"not planned for the {mask.name} mask unless named in --schedules (planning takes seconds "
+                  f"per size): {', '.join(unplanned)}")
+    if args.json:
+        from dataclasses import asdict
+
+        save_json([{**r, **{key: asdict(r[key]) if r[key] else None for key in phases}} for r in rows], args.json)
+    if args.plot:
+        (plot_tflops if args.tflops else plot)(rows, args, mask.name, args.plot)
+        stderr().print(f"wrote {args.plot}")
+    return 0
+
+
+def _schedule(name: str, args):
+    """The schedule ``name`` to estimate: ``ultra`` with ``--time-budget`` for its planner when given."""
+    if name != "ultra" or args.time_budget is None:
+        return name
+    from .. import schedules
+    from ..planner import PlanOptions
+
+    return schedules.get("ultra", plan_options=PlanOptions(time_budget=args.time_budget))
+
+
+def _print_times(out, rows: list[dict], title: str) -> None:
+    """The time table: one row per (GPU count, schedule), long notes as numbered footnotes."""
+    notes, cells = [], []
+    ring = {r["gpus"]: r["estimate"] for r in rows if r["schedule"] == "ring" and r["estimate"] is not None}
     for r in rows:
         e = r["estimate"]
         short = len(r["note"]) <= SHORT_NOTE  # e.g. "exceeds 64 GiB" stays in its cell; longer notes are footnotes
@@ -163,36 +261,40 @@ def run(args) -> int:
     marks, texts = footnotes(notes)
     for row, r, mark in zip(cells, rows, marks):
         row[-1] = mark or r["note"]
-    quiet = to_stdout(args.json)
-    out = stdout(quiet)
-    out.print(table(TABLE, cells,
-                    title=f"cpattn simulate: {args.topology}, {mask!r}, h={args.heads}:{args.kv_heads} "
-                          f"d={args.head_dim} b={args.batch} {args.dtype}, {args.phase}, "
-                          f"collectives {algo or 'default'}",
+    out.print(table(TABLE, cells, title=title,
                     caption="times on the busiest rank; TFLOP/s counts allowed (q, k) pairs (bwd = 2.5 x fwd); "
                             "vs ring = T(ring) / T(schedule); sent = payload of the busiest rank, wire = what the "
                             "busiest rank sends on the wire, forwarding for others included (collective algorithms)",
                     everything="--json PATH has every figure"))
     for text in texts:
         out.print(text, highlight=False)
-    if bounds:
-        out.print("balanced bound (every GPU does 1/P of the work at the device's large-block rate, no "
-                  "communication): " + ", ".join(f"P={p}: {b * 1e3:.4g} ms" for p, b in bounds.items()))
-    if skipped:
-        out.print(f"not shown, they cannot run the {mask.name} mask: {', '.join(skipped)}")
-    if unmodelled:
-        out.print(f"not modelled (they do not implement steps(problem, phase)): {', '.join(unmodelled)}")
-    if unplanned:
-        out.print(f"not planned for the {mask.name} mask unless named in --schedules (planning takes seconds "
-                  f"per size): {', '.join(unplanned)}")
-    if args.json:
-        from dataclasses import asdict
 
-        save_json([{**r, "estimate": asdict(r["estimate"]) if r["estimate"] else None} for r in rows], args.json)
-    if args.plot:
-        plot(rows, args, mask.name, args.plot)
-        stderr().print(f"wrote {args.plot}")
-    return 0
+
+def _print_tflops(out, rows: list[dict], gpus: list[int], names: list[str], title: str) -> None:
+    """The ``--tflops`` table: one row per schedule, one column per GPU count, each cell the attention
+    TFLOP/s per GPU forward / backward (why a cell is empty: a numbered footnote)."""
+    by = {(r["gpus"], r["schedule"]): r for r in rows}
+    notes = [by[p, n]["note"] if by[p, n]["forward"] is None or by[p, n]["backward"] is None else ""
+             for n in names for p in gpus]
+    marks, texts = footnotes(notes)
+    cells, i = [], 0
+    for n in names:
+        line = [n]
+        for p in gpus:
+            r = by[p, n]
+            if r["forward"] is None or r["backward"] is None:
+                line.append(f"- {marks[i]}".strip())
+            else:
+                line.append(f"{r['forward'].tflops_per_rank(p):.0f} / {r['backward'].tflops_per_rank(p):.0f}")
+            i += 1
+        cells.append(line)
+    columns = (Column("schedule", "left"), *(Column(f"{p} GPUs") for p in gpus))
+    out.print(title, highlight=False)  # a line of its own: wrapped as the title of this narrow table, it reads badly
+    out.print(table(columns, cells, everything="--json PATH has every figure"))
+    for text in texts:
+        out.print(text, highlight=False)
+    out.print("attention TFLOP/s per GPU, forward / backward: the allowed (q, k) pairs' FLOPs (4 b h d per pair "
+              "forward, 2.5x that backward) over the predicted time of the phase, per GPU", highlight=False)
 
 
 def run_model(args) -> int:
@@ -231,9 +333,10 @@ def run_model(args) -> int:
         built = args.topology.build(world, profile)
         return built if algo is None else replace(built, algorithm=algo)
 
-    topo = build(args.cp, a.load_profile(args.profile) if preset == "local" else None)
+    prof = a.topology_profile(args.topology, args.profile)
+    topo = build(args.cp, prof)
     # the gradient all-reduce's group on the whole machine (a preset); else each replica on nodes of its own
-    dp_topo = dp_group(build(args.cp * args.dp), args.cp) if preset in MATMUL_PEAK else None
+    dp_topo = dp_group(build(args.cp * args.dp, prof), args.cp) if preset in MATMUL_PEAK else None
     names = args.schedules or [n for n in cost.default_candidates(mask) if cost.estimable(n)]
     rows, skipped = [], []
     for name in names:
@@ -262,10 +365,11 @@ def run_model(args) -> int:
     return 0
 
 
-def _row(name: str, problem, topo, phase: str) -> dict:
-    """One table row: the estimate, a note when it exceeds the device memory, or why there is none.
-    ``check_supports`` refuses with ValueError, TypeError or NotImplementedError (its contract);
-    ``estimate`` with ValueError or NotImplementedError. Anything else is a bug and propagates."""
+def _row(name, problem, topo, phase: str) -> dict:
+    """One table row for schedule ``name`` (a name or a schedule): the estimate, a note when it exceeds
+    the device memory, or why there is none. ``check_supports`` refuses with ValueError, TypeError or
+    NotImplementedError (its contract); ``estimate`` with ValueError or NotImplementedError. Anything
+    else is a bug and propagates."""
     from .. import cost
 
     row = {"gpus": problem.world, "seq": problem.seq_len, "schedule": name, "estimate": None, "note": ""}
@@ -287,30 +391,40 @@ def _row(name: str, problem, topo, phase: str) -> dict:
 
 def plot(rows: list[dict], args, mask_label: str, path: str) -> None:
     """PNG: predicted time and TFLOP/s per GPU versus GPUs, one line per schedule."""
+    _draw(rows, args, f"{mask_label}, {args.phase}", path,
+          (("estimate", "predicted time (s)", lambda e, g: e.total, True),
+           ("estimate", "attention TFLOP/s per GPU", lambda e, g: e.tflops_per_rank(g), False)))
+
+
+def plot_tflops(rows: list[dict], args, mask_label: str, path: str) -> None:
+    """PNG (``--tflops``): attention TFLOP/s per GPU forward and backward versus GPUs, one line per schedule."""
+    _draw(rows, args, mask_label, path,
+          tuple((phase, f"{phase} TFLOP/s per GPU", lambda e, g: e.tflops_per_rank(g), False)
+                for phase in ("forward", "backward")))
+
+
+def _draw(rows: list[dict], args, what: str, path: str, panels) -> None:
+    """One panel per ``(row key, y label, value of (estimate, GPUs), log y)``, one line per schedule."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in dict.fromkeys(r["schedule"] for r in rows):
-        pts = [(r["gpus"], r["estimate"]) for r in rows if r["schedule"] == name and r["estimate"] is not None]
-        if not pts:
-            continue
-        gpus = [g for g, _ in pts]
-        style = schedule_style(name)  # colour, marker and dashes: no two schedules alike, the same in every plot
-        ax_t.plot(gpus, [e.total for _, e in pts], label=name, **style)
-        ax_f.plot(gpus, [e.tflops_per_rank(g) for g, e in pts], label=name, **style)
-    scaling = f"{args.seq} tokens" if args.seq is not None else f"{args.seq_per_gpu} tokens per GPU"
-    for ax, label in ((ax_t, "predicted time (s)"), (ax_f, "attention TFLOP/s per GPU")):
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 4.2))
+    for ax, (key, label, value, log_y) in zip(axes, panels):
+        for name in dict.fromkeys(r["schedule"] for r in rows):
+            pts = [(r["gpus"], r[key]) for r in rows if r["schedule"] == name and r[key] is not None]
+            if pts:  # colour, marker and dashes: no two schedules alike, the same in every plot
+                ax.plot([g for g, _ in pts], [value(e, g) for g, e in pts], label=name, **schedule_style(name))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("GPUs")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-    ax_t.set_yscale("log")
-    ax_f.legend(fontsize=8)
-    fig.suptitle(f"{args.topology}: {mask_label}, {scaling}, h={args.heads}:{args.kv_heads} d={args.head_dim}, "
-                 f"{args.phase}")
+        if log_y:
+            ax.set_yscale("log")
+    axes[-1].legend(fontsize=8)
+    scaling = f"{args.seq} tokens" if args.seq is not None else f"{args.seq_per_gpu} tokens per GPU"
+    fig.suptitle(f"{args.topology}: {what}, {scaling}, h={args.heads}:{args.kv_heads} d={args.head_dim}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

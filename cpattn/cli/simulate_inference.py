@@ -83,7 +83,7 @@ def run_inference(args) -> int:
     if bad:
         raise ValueError(f"--gpus {bad}: every count must be a multiple of --tp {tp}")
     algo = algorithm_choice(args.algorithm)
-    prof = a.load_profile(args.profile) if preset == "local" else None
+    prof = a.topology_profile(args.topology, args.profile)
 
     def build(world: int):
         topo = args.topology.build(world, prof)

@@ -3,8 +3,9 @@
 Everything here is pure data in, data out (no process group): ``estimate(schedule, problem,
 topology)`` predicts one schedule from its own ``steps`` declaration (``ultra``: from its plan);
 ``rank_schedules`` / ``choose`` power ``schedule="auto"``; ``simulate`` runs UltraAttn-style task
-graphs on per-device lanes; ``presets.preset(name, world)`` builds Frontier, DGX H100, DGX A100 or
-the calibrated ``local`` machine. Problems, steps, topologies and devices are core data
+graphs on per-device lanes; ``presets.preset(name, world)`` builds Frontier, DGX H100, DGX H200,
+DGX A100 (a GPU preset priced by a measured GPU profile when given one, ``cost.profile``) or the
+calibrated ``local`` machine. Problems, steps, topologies and devices are core data
 (``cpattn.core.steps``, ``cpattn.core.topology``), re-exported here; calibration, which runs processes, is a tool
 (``cpattn.lab.calibrate``).
 """

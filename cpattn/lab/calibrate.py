@@ -11,10 +11,16 @@ Runs on a local gloo world (2 ranks by default, sharing the cores as ``cpattn be
 - how much of a transfer hides behind a concurrent kernel (``overlap``).
 
 Every figure is the median, over passes that each time everything once, of the slowest rank.
+
+On a GPU (:func:`calibrate_gpu`) it measures one device at world size 1 instead: the forward and backward
+of FULL and CAUSAL square blocks on the kernel path the dispatch takes (``kernels.kernel_for``), timed by
+CUDA events, and the merge epilogue's bandwidth, into a GPU profile (``cost.profile.GpuInfo``). The
+device and the timer are arguments, so the same code runs on the CPU with a stand-in timer in the tests.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import platform
@@ -34,9 +40,10 @@ from ..core.steps import CommOp, Kernel, Problem
 from ..core.topology import Link, RatePoint, Topology
 from ..cost.collectives import op_time
 from ..cost.presets import LOCAL_ALGORITHM
-from ..cost.profile import Profile
+from ..cost.profile import GpuInfo, Profile, extrapolate_below, from_json
 from ..kernel_calls import block_inputs, kernel_calls, shape_of, square_kernel
 from ..launcher import LocalWorld, RankError
+from ..version import __version__
 
 CALIBRATED_OPS = ("sendrecv", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_reduce", "all_to_all")
 
@@ -92,11 +99,12 @@ def kernel_jobs(s: Settings) -> list[tuple[str, int, int]]:
     return jobs + [("partial", n, 1) for n in s.partial_sizes]
 
 
-def _merge_call(s: Settings, n: int) -> Callable[[], object]:
-    """One pairwise merge of ``n`` query rows."""
+def _merge_call(s, n: int, device: torch.device | str = "cpu") -> Callable[[], object]:
+    """One pairwise merge of ``n`` query rows (``s``: settings with ``batch``, ``heads``, ``head_dim``) of
+    float32 accumulators on ``device``."""
     g = torch.Generator().manual_seed(1)
-    out = torch.randn(s.batch, n, s.heads, s.head_dim, generator=g)
-    lse = torch.randn(s.batch, s.heads, n, generator=g)
+    out = torch.randn(s.batch, n, s.heads, s.head_dim, generator=g).to(device)
+    lse = torch.randn(s.batch, s.heads, n, generator=g).to(device)
     o2, l2 = torch.randn_like(out), torch.randn_like(lse)
     return lambda: merge_into(out, lse, o2, l2)
 
@@ -360,6 +368,139 @@ def calibrate(settings: Settings = Settings(), progress: Callable[[str, int, int
                    int(psutil.virtual_memory().total), host)
 
 
+@dataclass(frozen=True)
+class GpuSettings:
+    """What :func:`calibrate_gpu` measures. ``sizes``: square block sides (tokens) of the FULL and CAUSAL
+    kernels; smaller blocks get extrapolated points (``cost.profile.extrapolate_below``). The kernel shape
+    is ``[batch, n, heads, head_dim]`` queries with ``kv_heads`` key/value heads in ``dtype``, as
+    ``scripts/gpu_check.py`` benches it. ``path``: the kernel path to time (None: the one the dispatch
+    takes for each kind, ``kernels.kernel_for``). ``merge_rows``: query rows of the merge whose bandwidth
+    is the epilogue's. Each figure is the median of ``repeats`` timed calls after ``warmup`` untimed ones."""
+
+    sizes: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    batch: int = 1
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    path: str | None = None
+    merge_rows: int = 8192
+    warmup: int = 3
+    repeats: int = 10
+
+
+GPU_QUICK = GpuSettings(sizes=(1024, 2048), merge_rows=1024, warmup=1, repeats=3)
+
+#: ``timer(call, warmup, repeats)``: seconds per call of ``call`` (the median of ``repeats`` timed calls
+#: after ``warmup`` untimed ones)
+Timer = Callable[[Callable[[], object], int, int], float]
+
+
+def cuda_timer(call: Callable[[], object], warmup: int, repeats: int) -> float:
+    """:data:`Timer` by CUDA events around each call on the current stream (seconds)."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def wall_timer(call: Callable[[], object], warmup: int, repeats: int) -> float:
+    """:data:`Timer` by the wall clock (devices whose calls return when done, the CPU)."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gpu_calls(s: GpuSettings, kind: str, n: int, device: torch.device, path: str) -> dict[str, Callable[[], object]]:
+    """The forward and backward call of one ``kind`` block of side ``n`` on ``path`` with inputs on
+    ``device`` (the forward runs once here, to give the backward its ``out`` and ``lse``)."""
+    g = torch.Generator(device).manual_seed(n)
+    dt = kernels.DTYPES[s.dtype]
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(s.batch, n, heads, s.head_dim, generator=g, device=device, dtype=dt)
+
+    q, k, v, dout = rand(s.heads), rand(s.kv_heads), rand(s.kv_heads), rand(s.heads)
+    block, scale = BlockKind(kind), kernels.default_scale(s.head_dim)
+    out, lse = kernels.forward_with(path, q, k, v, block, scale)
+    out = out.to(dt)
+    return {"forward": lambda: kernels.forward_with(path, q, k, v, block, scale),
+            "backward": lambda: kernels.backward_with(path, dout, q, k, v, out, lse, block, scale)}
+
+
+def _device_facts(device: torch.device) -> tuple[str, tuple[int, int], int]:
+    """``(name, compute capability, memory bytes)`` of ``device``; a CPU stand-in reports (0, 0) and the
+    host's memory."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return torch.cuda.get_device_name(device), kernels.capability(device), int(props.total_memory)
+    import psutil
+
+    return f"{device.type} ({platform.machine()})", (0, 0), int(psutil.virtual_memory().total)
+
+
+def calibrate_gpu(settings: GpuSettings = GpuSettings(), device: torch.device | str = "cuda",
+                  timer: Timer | None = None, progress: Callable[[str, int, int], None] | None = None) -> Profile:
+    """Measure one device at world size 1 into a GPU profile (validated): the forward and backward rates
+    (FLOP/s, counted as ``Kernel.flops``) of FULL and CAUSAL square blocks of ``settings.sizes`` on the
+    kernel path the dispatch takes for ``device`` (or ``settings.path``), extrapolated points below them,
+    and the merge epilogue's bandwidth (bytes/s). ``timer`` (:data:`Timer`) defaults to CUDA events on a
+    CUDA device and the wall clock elsewhere; ``progress(what, done, total)`` is called before each
+    figure."""
+    device = torch.device(device)
+    timer = timer or (cuda_timer if device.type == "cuda" else wall_timer)
+    say = progress or (lambda what, done, total: None)
+    dt = kernels.DTYPES[settings.dtype]
+    probe = torch.empty(1, 1, settings.heads, settings.head_dim, dtype=dt, device=device)  # what dispatch reads
+    paths = {kind: settings.path or kernels.kernel_for(probe, BlockKind(kind), kv_len=max(settings.sizes))
+             for kind in ("full", "causal")}
+    problem = Problem(max(settings.sizes), 1, "full", settings.batch, settings.heads, settings.kv_heads,
+                      settings.head_dim, settings.dtype)
+    total = 2 * len(settings.sizes) + 1
+    points = []
+    for kind in ("full", "causal"):
+        for n in settings.sizes:
+            say(f"{kind} {n} x {n} on {paths[kind]}", len(points) // 2, total)
+            calls = _gpu_calls(settings, kind, n, device, paths[kind])
+            for phase in ("forward", "backward"):
+                seconds = timer(calls[phase], settings.warmup, settings.repeats)
+                points.append(RatePoint(phase, kind, n, n, square_kernel(kind, n).flops(problem, phase) / seconds))
+            del calls
+    say(f"merge of {settings.merge_rows} rows", total - 1, total)
+    merge_seconds = timer(_merge_call(settings, settings.merge_rows, device), settings.warmup, settings.repeats)
+    bandwidth = Kernel("full", settings.merge_rows, settings.merge_rows, 0).epilogue_bytes(problem, "forward") \
+        / merge_seconds
+    name, capability, memory = _device_facts(device)
+    software = {"torch": torch.__version__, "cpattn": __version__}
+    if device.type == "cuda":
+        software.update(cuda=str(torch.version.cuda), cudnn=str(torch.backends.cudnn.version()))
+    shape = f"b={settings.batch}, {settings.heads}:{settings.kv_heads} heads, d={settings.head_dim}, {settings.dtype}"
+    low, high = min(settings.sizes), max(settings.sizes)
+    note = (f"Measured by cpattn calibrate: forward and backward of FULL and CAUSAL square blocks of "
+            f"{', '.join(map(str, settings.sizes))} tokens ({shape}), each the median of {settings.repeats} timed "
+            f"calls after {settings.warmup} warm-ups. Extrapolated: blocks below {low} tokens, on Device's analytic "
+            f"curve through the {low} block (cost.profile.extrapolate_below); blocks above {high} get its rate. "
+            f"Not measured: PARTIAL blocks. Memory: the device's total; memory bandwidth: the merge epilogue's "
+            f"({settings.merge_rows} rows).")
+    info = GpuInfo(name, capability, paths, datetime.date.today().isoformat(), software, tuple(settings.sizes), note)
+    say("done", total, total)
+    prof = Profile(tuple(points) + extrapolate_below(tuple(points)), {}, bandwidth, 1.0, 1, 1, 1, memory,
+                   {"platform": platform.platform()}, info)
+    return from_json(prof.to_json(), "GPU calibration")
+
+
 def rates(profile: Profile) -> dict[str, float]:
     """Every figure of ``profile`` the estimates use, by name: kernel rates (FLOP/s, ``"forward causal
     2048x2048"``), per-op link bandwidths (bytes/s, ``"sendrecv bandwidth"``) and latencies (seconds,
@@ -428,5 +569,6 @@ def combine(profiles: list[Profile]) -> Profile:
                    overlap=med(p.overlap for p in profiles))
 
 
-__all__ = ["CALIBRATED_OPS", "QUICK", "Interference", "Settings", "at_speed", "calibrate", "combine", "fit_link",
-           "is_rate", "kernel_jobs", "levels", "pass_speeds", "probes", "rates", "spread"]
+__all__ = ["CALIBRATED_OPS", "GPU_QUICK", "QUICK", "GpuSettings", "Interference", "Settings", "Timer", "at_speed",
+           "calibrate", "calibrate_gpu", "combine", "cuda_timer", "fit_link", "is_rate", "kernel_jobs", "levels",
+           "pass_speeds", "probes", "rates", "spread", "wall_timer"]
