@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from . import memory
 from .core import masks, trace
@@ -103,6 +104,28 @@ def _inputs(cfg: BenchConfig, device) -> dict[str, torch.Tensor]:
     return {n: torch.randn(*shp, generator=g).to(dt).to(device) for n, shp in shapes.items()}
 
 
+def rank_device() -> torch.device:
+    """This rank's device: with CUDA, the GPUs in turn (rank r on GPU ``r % count``, so P ranks on fewer
+    GPUs share them: their compute is time-sliced and their gloo transfers staged through host buffers,
+    ``cpattn.core.staging``); else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def sharing(world: int, gpus: int) -> str | None:
+    """What a reader must know of times taken with ``world`` ranks on ``gpus`` GPUs (None on the CPU or
+    with a GPU per rank): that ranks shared GPUs and staged their transfers, so they are no cluster's."""
+    if gpus < 1 or world <= gpus:
+        return None
+    per = -(-world // gpus)
+    return (f"{world} ranks shared {gpus} GPU{'s' if gpus > 1 else ''} (up to {per} per GPU): their compute was "
+            "time-sliced and their transfers staged through host buffers (gloo), so these are not a cluster's times")
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -146,7 +169,7 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool 
     from .core.topology import Topology
 
     c = BenchConfig(**cfg)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = rank_device()
     x = _inputs(c, device)
     topology = None
     if c.topology is not None and not baseline:
@@ -288,7 +311,7 @@ def rank_flex(cfg: dict) -> dict:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError as exc:
         return {"note": f"torch {torch.__version__} has no FlexAttention ({exc})"}
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = rank_device()
     try:
         mod, how = flex_mask_mod(masks.resolve(c.mask), c.seq, device)
     except ValueError as exc:
@@ -431,8 +454,12 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
         if "fwd_s" in flex_res and causal is not None:
             flex_res["fwd_mask_efficiency"] = mask_efficiency(causal_f, mask, cfg.seq, flex_res["fwd_s"])
         baseline["flex"] = flex_res
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     env = {"cores": os.cpu_count(), "threads_per_rank": tpr, "torch": torch.__version__,
-           "device": "cuda" if torch.cuda.is_available() else "cpu", "backend": "gloo"}
+           "device": "cuda" if gpus else "cpu", "backend": "gloo", "gpus": gpus,
+           "transfers": "staged through host buffers" if gpus else "host"}
+    if sharing(cfg.world, gpus):
+        env["sharing"] = sharing(cfg.world, gpus)
     return {"config": asdict(cfg), "baseline": baseline, "rows": [asdict(r) for r in rows], "environment": env}
 
 
@@ -542,11 +569,15 @@ def render(result: dict, width: int | None = None):
         where += f" layout={cfg['layout']}"
     title = (f"cpattn bench: {where} S={cfg['seq']} b={cfg['batch']} h={cfg['heads']}:{cfg['kv_heads']} "
              f"d={cfg['head_dim']} {mask} {cfg['dtype']} | {env['cores']} cores, "
-             f"{env['threads_per_rank']} threads/rank, torch {env['torch']}, {env['backend']}")
+             f"{env['threads_per_rank']} threads/rank, torch {env['torch']}, {env['backend']}"
+             + (f", {env['gpus']} GPU{'s' if env['gpus'] > 1 else ''} shared by {cfg['world']} ranks"
+                if env.get("sharing") else ""))
     ok = {r["schedule"]: r for r in result["rows"] if r["ok"]}
     refs = [n for n in ("ring", "zigzag_ring") if n in ok]
     marks, notes = footnotes([f"{r['schedule']} failed: {r['note']}" if not r["ok"] else "" for r in result["rows"]])
     caption = "".join(f"{n}; " for n in notes)
+    if env.get("sharing"):
+        caption += f"NOTE: {env['sharing']}; "
     caption += (f"one process ({env['threads_per_rank'] * cfg['world']} threads): "
                 f"fwd {base['fwd_s'] * 1e3:.1f} ms, fwd+bwd {base['fwd_bwd_s'] * 1e3:.1f} ms; "
                 "times: median over iterations of the slowest rank; "

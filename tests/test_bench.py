@@ -164,6 +164,10 @@ def test_bench_runs_checks_and_renders(tmp_path):
     assert [(r["schedule"], r["fwd_bwd_s"], r["bytes_sent"], r["wire_sent"]) for r in saved["rows"]] == \
         [(r["schedule"], r["fwd_bwd_s"], r["bytes_sent"], r["wire_sent"]) for r in rows.values()]
     assert saved["baseline"] == result["baseline"]
+    assert "sharing" not in result["environment"] and result["environment"]["gpus"] == torch.cuda.device_count()
+    shared = {**result, "environment": {**result["environment"], "gpus": 1, "sharing": bench.sharing(2, 1)}}
+    tab = bench.render(shared, width=400)
+    assert "1 GPU shared by 2 ranks" in str(tab.title) and "NOTE: 2 ranks shared 1 GPU" in str(tab.caption)
 
 
 @pytest.mark.slow
@@ -211,3 +215,15 @@ def test_a_wide_table_keeps_every_schedule_name_and_header_whole(capsys, monkeyp
     narrow.print(bench.render(result, width=100))
     text = narrow.file.getvalue()
     assert "zigzag_ring " in text and "allgather" in text and max(map(len, text.splitlines())) <= 100
+
+
+def test_a_table_of_ranks_sharing_a_gpu_says_so():
+    """P ranks on fewer GPUs: time-sliced compute and staged transfers, said in the title and the caption,
+    so nobody reads the times as a cluster's; a GPU per rank or the CPU says nothing."""
+    from cpattn import bench
+
+    assert bench.sharing(2, 0) is None and bench.sharing(2, 2) is None and bench.sharing(8, 8) is None
+    note = bench.sharing(4, 1)
+    assert "4 ranks shared 1 GPU" in note and "staged" in note and "not a cluster's" in note
+    assert "up to 2 per GPU" in bench.sharing(3, 2)
+    assert bench.rank_device() == torch.device("cpu") or torch.cuda.is_available()
