@@ -17,19 +17,16 @@ os.environ[CACHE_ENV] = _CACHE
 
 
 class Worlds:
-    """``worlds.get(n)`` returns a live n-rank world, starting (or restarting after a failure) it;
-    ``worlds.get(n, env={...})`` one whose workers also have ``env`` (e.g. the staging switch), kept
-    apart from the plain n-rank world."""
+    """``worlds.get(n)`` returns a live n-rank world, starting (or restarting after a failure) it."""
 
     def __init__(self) -> None:
-        self._worlds: dict[tuple, LocalWorld] = {}
+        self._worlds: dict[int, LocalWorld] = {}
 
-    def get(self, size: int, env: dict[str, str] | None = None) -> LocalWorld:
-        key = (size, tuple(sorted((env or {}).items())))
-        w = self._worlds.get(key)
+    def get(self, size: int) -> LocalWorld:
+        w = self._worlds.get(size)
         if w is None or not w.alive:
-            w = LocalWorld(size, threads=1, env={POISON_ENV: "1", CACHE_ENV: _CACHE, **(env or {})})
-            self._worlds[key] = w
+            w = LocalWorld(size, threads=1, env={POISON_ENV: "1", CACHE_ENV: _CACHE})
+            self._worlds[size] = w
         return w
 
     def close(self) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from unittest import mock
 
 import torch
@@ -11,7 +14,22 @@ import cpattn
 from cpattn import verify
 from cpattn.core import placement
 from cpattn.core.comm import Communicator
-from cpattn.core.staging import Stager
+from cpattn.core.staging import STAGE_ENV, Stager
+
+
+@contextlib.contextmanager
+def forced() -> Iterator[None]:
+    """Staging forced on this worker's CPU tensors for the communicators made inside (the variable is read
+    when a communicator is made), so the shared 2-rank world serves the staged cases too."""
+    before = os.environ.get(STAGE_ENV)
+    os.environ[STAGE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(STAGE_ENV)
+        else:
+            os.environ[STAGE_ENV] = before
 
 
 def staged_case(**fields) -> dict:
@@ -28,7 +46,8 @@ def staged_case(**fields) -> dict:
         counts["staged"] += 1
         return stage(self, launch, tensors)
 
-    with mock.patch.object(Communicator, "_start", counted_start), mock.patch.object(Stager, "start", counted_stage):
+    with forced(), mock.patch.object(Communicator, "_start", counted_start), \
+            mock.patch.object(Stager, "start", counted_stage):
         result = verify.rank_case(**fields)
     return {**result, "staging": counts}
 
@@ -47,7 +66,8 @@ def steady_state_allocations(schedules: list[str], plan_options: dict, seq: int 
         sched = cpattn.schedules.get(name)
         if sched.planned:
             sched = cpattn.schedules.get(name, plan_options=cpattn.planner.PlanOptions(**plan_options))
-        cp = cpattn.ContextParallel(seq, "causal" if sched.causal else "full", sched)
+        with forced():
+            cp = cpattn.ContextParallel(seq, "causal" if sched.causal else "full", sched)
         torch.manual_seed(3)
         q, k = torch.randn(2, cp.local_len, 4, 16), torch.randn(2, cp.local_len, 2, 16)
         pool = cp.comm.staging

@@ -122,7 +122,7 @@ def test_json_report_holds_only_the_selected_sections(run):
     assert set(report["seconds"]) == {"context_parallel", "parity", "total"}
     # the first section's share of the two; the second gets the rest of the budget, what the first left included
     share = gpu_check.SHARES
-    assert report["allotted_s"]["context_parallel"] <= report["budget_s"] * share["context_parallel"] / (
+    assert report["allotted_s"]["context_parallel"] <= 0.05 + report["budget_s"] * share["context_parallel"] / (
         share["context_parallel"] + share["parity"])
     assert report["allotted_s"]["parity"] <= report["budget_s"]
     assert report["env"]["device_type"] == "cpu"

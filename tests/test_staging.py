@@ -16,8 +16,6 @@ from cpattn.core import staging
 from cpattn.core.staging import STAGE_ENV, Stager, StagingPool
 from cpattn.launcher import WorldError
 
-#: the staged worker world: every CPU tensor of the gloo group goes through the pool
-STAGED = {STAGE_ENV: "1"}
 #: planned schedules solve with small budgets here (their plans stay exact, only less tuned)
 PLAN_OPTIONS = {"time_budget": 1.0, "partition_time_limit": 0.3, "schedule_time_limit": 0.3}
 SEQ = 64
@@ -182,7 +180,7 @@ def test_schedule_is_exact_through_staged_transfers(worlds, case):
     """The exactness judge of the matrix (float64 reference, volume and steps checks), every call of
     the communicator staged through the pool, with poisoned released buffers."""
     try:
-        per_rank = worlds.get(2, STAGED).run(staging_workers.staged_case, timeout=120, name=case.label,
+        per_rank = worlds.get(2).run(staging_workers.staged_case, timeout=120, name=case.label,
                                              **dataclasses.asdict(case))
     except WorldError as exc:
         pytest.fail(str(exc))
@@ -195,7 +193,7 @@ def test_schedule_is_exact_through_staged_transfers(worlds, case):
 def test_a_steady_state_call_allocates_no_staging_buffer(worlds):
     """The second and third identical forward+backward calls take every buffer from the pool: the
     slots the first call grew serve the same transfers again; none stays in flight."""
-    got = worlds.get(2, STAGED).run(staging_workers.steady_state_allocations, timeout=120,
+    got = worlds.get(2).run(staging_workers.steady_state_allocations, timeout=120,
                                     schedules=schedules.names(), plan_options=PLAN_OPTIONS)
     for rank, per_schedule in enumerate(got):
         assert isinstance(per_schedule, dict), f"rank {rank}: {per_schedule}"
