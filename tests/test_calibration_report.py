@@ -82,6 +82,7 @@ def test_calibrations_compared_at_a_common_speed():
     assert common["forward full 256x256"][2] == pytest.approx(0.1)
 
 
+@pytest.mark.slow  # two calibrations; the comparison itself is tested on data above
 def test_calibrate_repeat_prints_the_differences_as_measured_and_at_a_common_speed(tmp_path, capsys):
     from cpattn import cli
 

@@ -281,6 +281,7 @@ def test_loss_and_metric_sums():
 
 
 # ---------------------------------------------------------------------------------- learning
+@pytest.mark.slow  # training runs with loss parity stay in make test (tests/test_train.py)
 def test_tiny_llama_learns_recall(one_thread):
     """150 AdamW steps on 4-pair recall at 64 tokens: held-out accuracy far above chance (1/24; about
     0.4 measured)."""

@@ -99,6 +99,7 @@ def test_ultra_patterns_read_the_papers_parameters():
         r.ultra_pattern("dilated", s)
 
 
+@pytest.mark.slow  # the README's `cpattn reproduce ultraattn` command runs in make test (tests/test_cli.py)
 def test_ultraattn_command_smallest_grid_and_plan_cache(in_tmp, capsys):
     argv = ["reproduce", "ultraattn", "--seq", "2048", "--gpus", "8", "--heads", "1", "--time-budget", "0.5",
             "--json", "u.json", "--plot", "u.png"]

@@ -146,6 +146,7 @@ def test_a_two_rank_run_keeps_its_recording_and_gives_a_chrome_trace(worlds):
     assert 0.0 <= s["hidden_fraction"] <= 1.0 and all(r["in_flight_ns"] > 0 for r in s["ranks"])
 
 
+@pytest.mark.slow  # the 2-rank recording test above keeps the chrome trace in make test
 def test_bench_cli_writes_a_chrome_trace_and_the_hidden_column(tmp_path, capsys):
     rc = cli.main(["bench", "--world", "2", "--seq", "256", "--schedules", "ring", "--iters", "1", "--warmup", "1",
                    "--trace", str(tmp_path / "traces"), "--json", str(tmp_path / "b.json")])
