@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -30,8 +31,9 @@ class Worlds:
         return w
 
     def close(self) -> None:
-        for w in self._worlds.values():
-            w.close()
+        # every world winds down its process group at once rather than one after another
+        with ThreadPoolExecutor() as pool:
+            list(pool.map(LocalWorld.close, self._worlds.values()))
 
 
 @pytest.fixture(scope="session")
