@@ -1080,6 +1080,17 @@ def print_parity(rows: list[dict], file: Any = None) -> None:
 
 
 # ------------------------------------------------------------------------------------ 4. steady state
+def _steady_inputs(sizes: dict, device: torch.device, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q, k, v (requiring grad) and dout of the steady section's shape, bfloat16, drawn from ``seed``."""
+    import torch
+
+    s, h, hkv, d = sizes["seq"], sizes["heads"], sizes["kv_heads"], sizes["d"]
+    gen = _generator(device, seed)
+    q, k, v = (torch.randn(1, s, n, d, generator=gen, device=device, dtype=torch.bfloat16).requires_grad_()
+               for n in (h, hkv, hkv))
+    return q, k, v, torch.randn(1, s, h, d, generator=gen, device=device, dtype=torch.bfloat16)
+
+
 def _steady_case(spec: dict, sizes: dict, device: torch.device) -> dict:
     """3 warm-up forward+backward calls, then one counted: compiles, host-to-device copies, host syncs."""
     import torch
@@ -1087,12 +1098,8 @@ def _steady_case(spec: dict, sizes: dict, device: torch.device) -> dict:
 
     import cpattn
 
-    s, h, hkv, d = sizes["seq"], sizes["heads"], sizes["kv_heads"], sizes["d"]
-    scale = d ** -0.5
-    gen = _generator(device, 7)
-    q, k, v = (torch.randn(1, s, n, d, generator=gen, device=device, dtype=torch.bfloat16).requires_grad_()
-               for n in (h, hkv, hkv))
-    dout = torch.randn(1, s, h, d, generator=gen, device=device, dtype=torch.bfloat16)
+    s, scale = sizes["seq"], sizes["d"] ** -0.5
+    q, k, v, dout = _steady_inputs(sizes, device, 7)
     cp = cpattn.ContextParallel(s, from_spec(spec), "ring")
 
     def step() -> tuple[Tensor, ...]:
@@ -1126,12 +1133,8 @@ def _graph_case(sizes: dict, device: torch.device) -> dict:
 
     import cpattn
 
-    s, h, hkv, d = sizes["seq"], sizes["heads"], sizes["kv_heads"], sizes["d"]
-    scale = d ** -0.5
-    gen = _generator(device, 8)
-    q, k, v = (torch.randn(1, s, n, d, generator=gen, device=device, dtype=torch.bfloat16).requires_grad_()
-               for n in (h, hkv, hkv))
-    dout = torch.randn(1, s, h, d, generator=gen, device=device, dtype=torch.bfloat16)
+    s, scale = sizes["seq"], sizes["d"] ** -0.5
+    q, k, v, dout = _steady_inputs(sizes, device, 8)
     cp = cpattn.ContextParallel(s, "causal", "ring")
 
     def step() -> tuple[Tensor, ...]:
