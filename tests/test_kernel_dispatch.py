@@ -582,3 +582,22 @@ def test_flex_backward_operator_soft_capped_and_stacked(kind):
             got = kernels_cuda.flex_backward(dout, q, k, v, out, lse, kind, 0.25, mask, compiled=False, **extra)
         for g, w in zip(got, want):
             assert torch.allclose(g, w, atol=1e-10), (cap, (g - w).abs().max())
+
+
+@pytest.mark.parametrize("op,compilable,compiled,want", [
+    (True, True, True, "fused"), (True, False, True, "recompute"), (True, False, False, "fused"),
+    (False, False, False, "recompute"), (False, False, True, "recompute")])
+def test_flex_backward_takes_the_operator_only_where_it_runs(monkeypatch, op, compilable, compiled, want):
+    """The fused backward runs where this torch has the operator (eager), and compiled only where dynamo can
+    trace a direct call of it; elsewhere the block's forward is recomputed, as before."""
+    kernels_cuda.flex_backward_op.cache_clear()
+    kernels_cuda.flex_backward_compilable.cache_clear()
+    monkeypatch.setattr(kernels_cuda, "flex_backward_op", lambda: object() if op else None)
+    monkeypatch.setattr(kernels_cuda, "flex_backward_compilable", lambda: compilable)
+    taken = []
+    monkeypatch.setattr(kernels_cuda, "flex_fused_backward", lambda *a, **k: taken.append("fused") or (1, 2, 3))
+    monkeypatch.setattr(kernels_cuda, "grads_through_block", lambda *a, **k: taken.append("recompute") or (1, 2, 3))
+    q = torch.zeros(1, 4, 2, 16)
+    assert kernels_cuda.flex_backward(q, q, q, q, q, torch.zeros(1, 2, 4), FULL, 0.1, None, compiled=compiled) \
+        == (1, 2, 3)
+    assert taken == [want]

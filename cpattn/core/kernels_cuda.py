@@ -252,6 +252,20 @@ def flex_backward_op() -> Callable | None:
     return flex_attention_backward
 
 
+@cache
+def flex_backward_compilable() -> bool:
+    """Whether ``torch.compile`` can trace a direct call of the backward operator with a plain ``score_mod``
+    (its dynamo support derives the joint graph itself; older releases only replay graphs that
+    FlexAttention's own autograd traced). Where it cannot, :func:`flex_backward` recomputes instead."""
+    if flex_backward_op() is None:
+        return False
+    try:
+        from torch._dynamo.variables.higher_order_ops import FlexAttentionBackwardHighOrderVariable
+    except ImportError:
+        return False
+    return hasattr(FlexAttentionBackwardHighOrderVariable, "_derive_joint_graph")
+
+
 def _flex_backward_call(query, key, value, out, lse2, grad_out, score_mod, joint, block_mask, scale,
                         kernel_options):
     """One call of the backward operator, ``[b, h, s, d]`` tensors, ``lse2`` in log2 units (what its forward
@@ -309,7 +323,7 @@ def flex_fused_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bo
 
 
 def flex_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = True, softcap: float | None = None):
-    if flex_backward_op() is not None:
+    if flex_backward_compilable() if compiled else flex_backward_op() is not None:
         dq, dk, dv = flex_fused_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled, softcap)
     else:
         dq, dk, dv = grads_through_block(lambda a, b, c: flex_block(a, b, c, mask, scale, compiled, kind, softcap),
