@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import cache
 
@@ -190,19 +192,61 @@ def _softcap_mod(softcap: float) -> Callable:
     return score_mod
 
 
+def _causal_rule(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@cache
 def _causal_mask(s_q: int, s_kv: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, s_q, s_kv, device=device)
+    return create_block_mask(_causal_rule, None, None, s_q, s_kv, device=device)
+
+
+#: block masks of the PARTIAL masks seen last, so that a steady-state call builds none: at most this many,
+#: holding at most FLEX_MASK_BYTES of mask copies of their own (a stacked mask repeated over the batch)
+FLEX_MASKS_KEPT = 64
+FLEX_MASK_BYTES = 1 << 30
+
+
+class _MaskMemo:
+    """``(empty rows, block_mask)`` per PARTIAL mask tensor (the executor keeps each block list's masks on the
+    device across calls), keyed by the tensor's identity and version (an in-place change rebuilds) and the
+    batch it is repeated to; a weak reference tells a tensor that died from a new one at its address. The
+    ``FLEX_MASKS_KEPT`` used last are kept. ``built`` counts the block masks made."""
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
+        self.built = 0
+        self._bytes = 0  # of the mask copies the entries hold
+
+    def get(self, mask: torch.Tensor, batch: int, device: torch.device) -> tuple:
+        key = (id(mask), mask._version, batch, str(device))
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is mask:
+            self._entries.move_to_end(key)
+            return entry[1]
+        dense = per_row_mask(mask, batch, device)
+        value = (empty_rows(dense), _block_mask(dense))
+        self.built += 1
+        own = 0 if dense is mask else dense.numel()  # the block mask's rule keeps its dense mask alive
+        self._entries[key] = (weakref.ref(mask), value, own)
+        self._bytes += own
+        while len(self._entries) > 1 and (len(self._entries) > FLEX_MASKS_KEPT or self._bytes > FLEX_MASK_BYTES):
+            self._bytes -= self._entries.popitem(last=False)[1][2]
+        return value
+
+
+_MASKS = _MaskMemo()
 
 
 def _flex_mask(q, k, kind, mask):
-    """``(dense, block_mask)`` of a block for FlexAttention: a PARTIAL block's per-row mask
-    (:func:`per_row_mask`) and its block mask, a CAUSAL block's block mask, None for FULL."""
-    dense = per_row_mask(mask, q.shape[0], q.device) if kind == BlockKind.PARTIAL else None
-    block_mask = (_block_mask(dense) if dense is not None
-                  else _causal_mask(q.shape[1], k.shape[1], q.device) if kind == BlockKind.CAUSAL else None)
-    return dense, block_mask
+    """``(empty, block_mask)`` of a block for FlexAttention: a PARTIAL block's rows with no allowed key
+    (``[s_q]`` or ``[b, s_q]``, :func:`empty_rows`) and its block mask, both made once per mask tensor
+    (:class:`_MaskMemo`); a CAUSAL block's block mask (once per shape); None for FULL."""
+    if kind == BlockKind.PARTIAL:
+        return _MASKS.get(mask, q.shape[0], q.device)
+    return None, _causal_mask(q.shape[1], k.shape[1], q.device) if kind == BlockKind.CAUSAL else None
 
 
 def flex_block(q, k, v, mask, scale, compiled: bool = True, kind=BlockKind.PARTIAL, softcap: float | None = None):
@@ -215,16 +259,15 @@ def flex_block(q, k, v, mask, scale, compiled: bool = True, kind=BlockKind.PARTI
 
     fn = _compiled_flex() if compiled else flex_attention
     qt, kt, vt = _bhsd(q, k, v)
-    dense, block_mask = _flex_mask(q, k, kind, mask)
+    empty, block_mask = _flex_mask(q, k, kind, mask)
     # the Triton backend is the one whose backward accepts a gradient of lse (grads_through_block)
     out, aux = fn(qt, kt, vt, block_mask=block_mask, scale=scale,
                   score_mod=None if softcap is None else _softcap_mod(softcap),
                   enable_gqa=k.shape[2] != q.shape[2], return_aux=AuxRequest(lse=True),
                   kernel_options={"BACKEND": "TRITON"})
     out = out.transpose(1, 2)
-    if dense is None:
+    if empty is None:
         return out, aux.lse
-    empty = empty_rows(dense)  # [s_q] or [b, s_q]
     return (out.masked_fill(empty[..., None, None], 0.0), aux.lse.masked_fill(empty.unsqueeze(-2), float("-inf")))
 
 
@@ -330,7 +373,7 @@ def flex_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = T
                                          dout, q, k, v, out, lse)
     if kind != BlockKind.PARTIAL:
         return dq, dk, dv
-    empty = empty_rows(per_row_mask(mask, q.shape[0], q.device))
+    empty, _ = _flex_mask(q, k, kind, mask)
     return dq.masked_fill(empty[..., None, None], 0.0), dk, dv
 
 
