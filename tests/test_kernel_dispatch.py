@@ -603,28 +603,31 @@ def test_flex_backward_takes_the_operator_only_where_it_runs(monkeypatch, op, co
     assert taken == [want]
 
 
-def test_a_partial_mask_builds_its_block_mask_once(monkeypatch):
-    """The executor keeps each block list's masks on the device across calls: the Flex path builds a mask's
-    block mask (and its empty rows) on the first call only; an in-place change, a new tensor or another
-    batch builds again; the memo keeps a bounded number of entries."""
-    memo = kernels_cuda._MaskMemo()
-    monkeypatch.setattr(kernels_cuda, "_MASKS", memo)
+def test_a_partial_mask_builds_its_block_mask_once_per_run_cache(monkeypatch):
+    """The executor keeps each block list's masks on the device across calls: inside a run's cache (a
+    ``ContextParallel`` lends its own) the Flex path builds a mask's block mask on the first call only;
+    an in-place change, a new tensor or another batch builds again; outside any cache every call builds."""
+    from cpattn.core import memo
+
+    built = []
+    real = kernels_cuda._block_mask
+    monkeypatch.setattr(kernels_cuda, "_block_mask", lambda dense: built.append(1) or real(dense))
     q, k, v, _ = _inputs(F32, sq=40, sk=70, h=4, hkv=2, d=16, seed=2)
     allowed = torch.rand(40, 70, generator=torch.Generator().manual_seed(5)) < 0.3
     allowed[3] = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        first = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
-        again = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
-        assert memo.built == 1 and torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
-        kernels_cuda.flex_forward(q[:1], k[:1], v[:1], PARTIAL, 0.3, allowed, compiled=False)  # another batch
-        assert memo.built == 2
-        allowed[5] = False  # in place: the old block mask no longer describes it
-        changed = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
-        assert memo.built == 3 and bool((changed[0][:, 5] == 0).all()) and not bool((first[0][:, 5] == 0).all())
-        ref_o, _ = kernels.forward_with("math", q, k, v, PARTIAL, 0.3, allowed)
-        assert torch.allclose(changed[0].float(), ref_o, atol=1e-5)
-    monkeypatch.setattr(kernels_cuda, "FLEX_MASKS_KEPT", 2)
-    for _ in range(4):
-        memo.get(torch.ones(8, 8, dtype=torch.bool), 1, torch.device("cpu"))
-    assert len(memo._entries) == 2
+        with memo.scope(memo.BoundedCache(16)):
+            first = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+            again = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+            assert len(built) == 1 and torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+            kernels_cuda.flex_forward(q[:1], k[:1], v[:1], PARTIAL, 0.3, allowed, compiled=False)  # another batch
+            assert len(built) == 2
+            allowed[5] = False  # in place: the old block mask no longer describes it
+            changed = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+            assert len(built) == 3 and bool((changed[0][:, 5] == 0).all()) and not bool((first[0][:, 5] == 0).all())
+            ref_o, _ = kernels.forward_with("math", q, k, v, PARTIAL, 0.3, allowed)
+            assert torch.allclose(changed[0].float(), ref_o, atol=1e-5)
+        kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+        kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+        assert len(built) == 5

@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import cache
 
 import torch
 
+from . import memo
 from .masks import BlockKind
 
 #: the memory-efficient op pads lse to this many rows (ROCm builds do not pad)
@@ -196,57 +195,34 @@ def _causal_rule(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-@cache
 def _causal_mask(s_q: int, s_kv: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     return create_block_mask(_causal_rule, None, None, s_q, s_kv, device=device)
 
 
-#: block masks of the PARTIAL masks seen last, so that a steady-state call builds none: at most this many,
-#: holding at most FLEX_MASK_BYTES of mask copies of their own (a stacked mask repeated over the batch)
-FLEX_MASKS_KEPT = 64
-FLEX_MASK_BYTES = 1 << 30
-
-
-class _MaskMemo:
-    """``(empty rows, block_mask)`` per PARTIAL mask tensor (the executor keeps each block list's masks on the
-    device across calls), keyed by the tensor's identity and version (an in-place change rebuilds) and the
-    batch it is repeated to; a weak reference tells a tensor that died from a new one at its address. The
-    ``FLEX_MASKS_KEPT`` used last are kept. ``built`` counts the block masks made."""
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
-        self.built = 0
-        self._bytes = 0  # of the mask copies the entries hold
-
-    def get(self, mask: torch.Tensor, batch: int, device: torch.device) -> tuple:
-        key = (id(mask), mask._version, batch, str(device))
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is mask:
-            self._entries.move_to_end(key)
-            return entry[1]
-        dense = per_row_mask(mask, batch, device)
-        value = (empty_rows(dense), _block_mask(dense))
-        self.built += 1
-        own = 0 if dense is mask else dense.numel()  # the block mask's rule keeps its dense mask alive
-        self._entries[key] = (weakref.ref(mask), value, own)
-        self._bytes += own
-        while len(self._entries) > 1 and (len(self._entries) > FLEX_MASKS_KEPT or self._bytes > FLEX_MASK_BYTES):
-            self._bytes -= self._entries.popitem(last=False)[1][2]
-        return value
-
-
-_MASKS = _MaskMemo()
+def _partial_mask(mask: torch.Tensor, batch: int, device: torch.device) -> tuple:
+    """``(mask, empty rows, block mask)`` of a PARTIAL mask repeated to ``batch`` rows on ``device``; the
+    mask itself is kept with them, so its identity (the cache key) stays its own while they are kept."""
+    dense = per_row_mask(mask, batch, device)
+    return mask, empty_rows(dense), _block_mask(dense)
 
 
 def _flex_mask(q, k, kind, mask):
     """``(empty, block_mask)`` of a block for FlexAttention: a PARTIAL block's rows with no allowed key
-    (``[s_q]`` or ``[b, s_q]``, :func:`empty_rows`) and its block mask, both made once per mask tensor
-    (:class:`_MaskMemo`); a CAUSAL block's block mask (once per shape); None for FULL."""
+    (``[s_q]`` or ``[b, s_q]``, :func:`empty_rows`) and its block mask, a CAUSAL block's block mask, None
+    for FULL. Both are kept in the run's cache (``memo.cached``: the ``ContextParallel``'s, bounded), a
+    PARTIAL one per mask tensor (its identity and version: an in-place change builds again), since the
+    executor keeps each block list's masks on the device across calls: a steady-state call builds none
+    and hands the compiled kernel the same ``mask_mod`` every time."""
     if kind == BlockKind.PARTIAL:
-        return _MASKS.get(mask, q.shape[0], q.device)
-    return None, _causal_mask(q.shape[1], k.shape[1], q.device) if kind == BlockKind.CAUSAL else None
+        key = ("flex_partial_mask", id(mask), mask._version, q.shape[0], str(q.device))
+        _, empty, block_mask = memo.cached(key, lambda: _partial_mask(mask, q.shape[0], q.device))
+        return empty, block_mask
+    if kind == BlockKind.CAUSAL:
+        key = ("flex_causal_mask", q.shape[1], k.shape[1], str(q.device))
+        return None, memo.cached(key, lambda: _causal_mask(q.shape[1], k.shape[1], q.device))
+    return None, None
 
 
 def flex_block(q, k, v, mask, scale, compiled: bool = True, kind=BlockKind.PARTIAL, softcap: float | None = None):
