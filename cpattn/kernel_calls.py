@@ -28,28 +28,33 @@ def square_kernel(kind: str, n: int) -> Kernel:
     return Kernel(kind, n, n, n * (n + 1) // 2 if kind == BlockKind.CAUSAL.value else n * n)
 
 
-def block_inputs(n: int, batch: int, heads: int, kv_heads: int, head_dim: int, dtype: str):
+def block_inputs(n: int, batch: int, heads: int, kv_heads: int, head_dim: int, dtype: str,
+                 device: torch.device | str = "cpu"):
     """Random ``q`` ``[batch, n, heads, head_dim]`` and ``k``, ``v`` ``[batch, n, kv_heads, head_dim]`` in
-    ``dtype`` (seeded by ``n``)."""
+    ``dtype`` on ``device`` (seeded by ``n``)."""
     g = torch.Generator().manual_seed(n)
     dt = kernels.DTYPES[dtype]
-    q = torch.randn(batch, n, heads, head_dim, generator=g).to(dt)
-    k = torch.randn(batch, n, kv_heads, head_dim, generator=g).to(dt)
-    v = torch.randn(batch, n, kv_heads, head_dim, generator=g).to(dt)
+    q = torch.randn(batch, n, heads, head_dim, generator=g).to(device, dt)
+    k = torch.randn(batch, n, kv_heads, head_dim, generator=g).to(device, dt)
+    v = torch.randn(batch, n, kv_heads, head_dim, generator=g).to(device, dt)
     return q, k, v
 
 
 def kernel_calls(kind: str, n: int, pieces: int = 1, *, batch: int, heads: int, kv_heads: int, head_dim: int,
-                 dtype: str) -> dict[str, Callable[[], object]]:
+                 dtype: str, device: torch.device | str = "cpu", path: str | None = None
+                 ) -> dict[str, Callable[[], object]]:
     """The forward and backward call (``{"forward", "backward"}``) of a ``kind`` kernel (full, causal, or
-    partial: a band around the diagonal) of side ``n``, or of one stacked call of ``pieces`` such blocks
-    (``kernels.forward_stacked``) when ``pieces > 1``. The forward runs once here, to give the backward
-    its inputs."""
-    q, k, v = block_inputs(n, batch * pieces, heads, kv_heads, head_dim, dtype)
+    partial: a band around the diagonal) of side ``n`` on ``device``, or of one stacked call of ``pieces``
+    such blocks (``kernels.forward_stacked``) when ``pieces > 1``; ``path``: run that kernel path
+    (``kernels.forward_with``, one block) rather than the one the dispatch picks. The forward runs once
+    here, to give the backward its inputs."""
+    if path is not None and pieces > 1:
+        raise ValueError("kernel_calls: a named kernel path runs one block, not a stacked call")
+    q, k, v = block_inputs(n, batch * pieces, heads, kv_heads, head_dim, dtype, device)
     block = BlockKind(kind)
     mask = None
     if block == BlockKind.PARTIAL:  # a band: every row attends a window around its diagonal
-        idx = torch.arange(n)
+        idx = torch.arange(n, device=q.device)
         mask = (idx[:, None] - idx[None, :]).abs() < max(1, n // 4)
     scale = kernels.default_scale(head_dim)
     if pieces > 1:
@@ -58,6 +63,12 @@ def kernel_calls(kind: str, n: int, pieces: int = 1, *, batch: int, heads: int, 
 
         def bwd_call():
             return kernels.backward_stacked(dout, q, k, v, out, lse, block, scale, pieces)
+    elif path is not None:
+        def fwd_call():
+            return kernels.forward_with(path, q, k, v, block, scale, mask)
+
+        def bwd_call():
+            return kernels.backward_with(path, dout, q, k, v, out, lse, block, scale, mask)
     else:
         def fwd_call():
             return kernels.forward(q, k, v, block, scale, mask)

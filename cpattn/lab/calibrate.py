@@ -423,23 +423,6 @@ def wall_timer(call: Callable[[], object], warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _gpu_calls(s: GpuSettings, kind: str, n: int, device: torch.device, path: str) -> dict[str, Callable[[], object]]:
-    """The forward and backward call of one ``kind`` block of side ``n`` on ``path`` with inputs on
-    ``device`` (the forward runs once here, to give the backward its ``out`` and ``lse``)."""
-    g = torch.Generator(device).manual_seed(n)
-    dt = kernels.DTYPES[s.dtype]
-
-    def rand(heads: int) -> torch.Tensor:
-        return torch.randn(s.batch, n, heads, s.head_dim, generator=g, device=device, dtype=dt)
-
-    q, k, v, dout = rand(s.heads), rand(s.kv_heads), rand(s.kv_heads), rand(s.heads)
-    block, scale = BlockKind(kind), kernels.default_scale(s.head_dim)
-    out, lse = kernels.forward_with(path, q, k, v, block, scale)
-    out = out.to(dt)
-    return {"forward": lambda: kernels.forward_with(path, q, k, v, block, scale),
-            "backward": lambda: kernels.backward_with(path, dout, q, k, v, out, lse, block, scale)}
-
-
 def _device_facts(device: torch.device) -> tuple[str, tuple[int, int], int]:
     """``(name, compute capability, memory bytes)`` of ``device``; a CPU stand-in reports (0, 0) and the
     host's memory."""
@@ -473,7 +456,7 @@ def calibrate_gpu(settings: GpuSettings = GpuSettings(), device: torch.device | 
     for kind in ("full", "causal"):
         for n in settings.sizes:
             say(f"{kind} {n} x {n} on {paths[kind]}", len(points) // 2, total)
-            calls = _gpu_calls(settings, kind, n, device, paths[kind])
+            calls = kernel_calls(kind, n, device=device, path=paths[kind], **shape_of(settings))
             for phase in ("forward", "backward"):
                 seconds = timer(calls[phase], settings.warmup, settings.repeats)
                 points.append(RatePoint(phase, kind, n, n, square_kernel(kind, n).flops(problem, phase) / seconds))
