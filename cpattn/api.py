@@ -82,7 +82,7 @@ def _dist_backend(comm: Communicator) -> str:
 
 def _exchange_device(comm: Communicator) -> torch.device:
     """Where the small setup tensors live: NCCL moves GPU tensors only."""
-    if "nccl" in _dist_backend(comm) and torch.cuda.is_available():
+    if "nccl" in comm.backends.values() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
