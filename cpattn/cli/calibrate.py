@@ -131,13 +131,17 @@ def _gpu_profiles(args) -> list:
 
 
 def _report_path(env: dict) -> str:
-    """The dense kernel path the dispatch would take on the report's GPU: the first of the measured
-    order (``cpattn.core.kernel_table``, bfloat16, head dim 128: the bench's) that the report had."""
-    from ..core.kernel_table import cuda_order
+    """The dense kernel path the dispatch takes on the report's GPU (``kernels.choose_kernel`` for its
+    capability and the paths it had, at the bench's bfloat16 and head dim 128)."""
+    import torch
+
+    from ..core import kernels
+    from ..core.masks import BlockKind
 
     cap = env.get("capability")
-    order = cuda_order(tuple(cap) if isinstance(cap, list) and len(cap) == 2 else None, "bfloat16", 128)
-    return next((p for p in order if p in env.get("available", order)), order[0])
+    capability = tuple(cap) if isinstance(cap, list) and len(cap) == 2 else None
+    available = frozenset(env.get("available", kernels.PATHS))
+    return kernels.choose_kernel("cuda", torch.bfloat16, 128, BlockKind.FULL, available, capability=capability)
 
 
 def _print_gpu(out, prof) -> None:
