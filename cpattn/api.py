@@ -1,9 +1,13 @@
-"""The front door: :class:`ContextParallel` and the flash-attn style ``*_attn_func`` functions.
+"""The front door: :class:`ContextParallel` (the flash-attn style ``*_attn_func`` functions built on it
+are in ``cpattn.functional``).
 
 ``ContextParallel`` wires a mask, a layout and a schedule object to a process group and owns what a
-run keeps: the block lists of its runtime and, for planned schedules (``ultra``), the plans it built
-(both bounded, keyed by value). Planning happens here, not in the schedule: group rank 0 builds the
-plan with ``cpattn.planner`` (or reads it from the plan cache) and broadcasts it as JSON.
+run keeps: the block lists of its runtime and, for a schedule that plans (``Schedule.make_plan``), the
+plans it made (both bounded, keyed by value). Group rank 0 makes a plan and hands it to every rank as
+JSON (``Schedule.read_plan``), so every rank runs the same one.
+
+Why one module over 500 lines: ``ContextParallel`` is one object holding a run's state (its
+communicator, runtime, caches, views and plans), and every method reads that state.
 """
 
 from __future__ import annotations
@@ -19,17 +23,15 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from . import agree, cost, planner, schedules
+from . import agree, cost, schedules
 from .core import kernels, memo, placement
 from .core import layout as layout_mod
 from .core.comm import Communicator, DeviceMesh
-from .core.masks import Mask, causal, full, has_documents, resolve, sliding_window
+from .core.masks import Mask, has_documents, resolve
 from .core.memo import BoundedCache
 from .core.steps import CommOp, Problem
 from .core.topology import Topology
 from .cost import collectives
-from .cost.estimate import plan_estimate
-from .cost.profile import ProfileError
 from .schedules.base import Runtime, Schedule, attention_op, register_site, site_slot
 from .version import __version__
 
@@ -61,19 +63,9 @@ def _auto_schedule(mask: Mask, seq_len: int, world: int, topology: Topology | No
     """
     layout_mod.Layout("contiguous").check(seq_len, world)
     if topology is None:
-        topology = _local_topology(world, "schedule='auto'")
+        topology = cost.presets.this_machine(world, "schedule='auto'")
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     return cost.choose(cost.Problem(seq_len, world, mask, dtype=dtype, **AUTO_SHAPE), topology, nominal_shape=True)
-
-
-def _local_topology(world: int, who: str) -> Topology:
-    """This machine as one node: its calibration profile's figures, or conservative defaults (with a
-    warning when the profile cannot be read)."""
-    try:
-        return cost.presets.preset("local", world)
-    except ProfileError as exc:
-        log.warning("%s: ignoring the calibration profile (%s); using conservative defaults", who, exc)
-        return cost.presets.local(world)
 
 
 def _dist_backend(comm: Communicator) -> str:
@@ -266,13 +258,9 @@ class ContextParallel:
         """The layout and the padded length it splits."""
         world, sched = self.comm.world_size, self.schedule
         if layout is None:
-            if sched.planned:  # the planner picks the owner map (round-robin pieces for strided masks)
-                padded = layout_mod.Layout(sched.layout_for(self.mask)).padded_len(seq_len, world)
-                order = planner.choose_order(self.mask, padded, world, valid_len=seq_len,
-                                             options=sched.plan_options)
-                if order is not None:
-                    name = f"{sched.name}-round-robin-{len(order) // world}"
-                    return layout_mod.from_pieces(order, padded, world, name), padded
+            chosen = sched.choose_layout(self.mask, seq_len, world)  # e.g. a planner's owner map
+            if chosen is not None:
+                return chosen
             lay = layout_mod.Layout(sched.layout_for(self.mask))
             padded = lay.padded_len(seq_len, world)
             if sched.custom_layout and sched.balances_documents and has_documents(self.mask):
@@ -336,10 +324,7 @@ class ContextParallel:
         mask.check_seq_len(self.seq_len)
         view = copy.copy(self)
         view.mask, view._base = mask, self
-        if self.schedule.planned:  # a per-step mask is placed fast (greedy); the ILP stays for the base mask
-            options = self.schedule.plan_options or planner.PlanOptions()
-            view.schedule = dataclasses.replace(self.schedule,
-                                                plan_options=dataclasses.replace(options, use_solver=False))
+        view._checked = set()  # a view runs its own first-call checks
         view._memo = BoundedCache(MEMO_KEPT)
         with memo.scope(view._memo):
             view.layout, view.padded_len = view._choose_layout(self._layout_arg, self.seq_len)
@@ -351,6 +336,11 @@ class ContextParallel:
         return view
 
     # ------------------------------------------------------------------ properties
+    @property
+    def base(self) -> ContextParallel:
+        """The object this one is a view of (``with_mask``), or itself."""
+        return self._base or self
+
     @property
     def schedule_name(self) -> str:
         return self.schedule.name
@@ -539,22 +529,21 @@ class ContextParallel:
         return self._call(q, k, kernels.default_scale(q.shape[3]) if softmax_scale is None else float(softmax_scale))
 
     def _call(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[Schedule, Runtime]:
-        plan = self.plan(q, k) if self.schedule.planned else None
-        return self.schedule, dataclasses.replace(self._runtime, scale=scale, plan=plan)
+        return self.schedule, dataclasses.replace(self._runtime, scale=scale, plan=self.plan(q, k))
 
     def _agree_on_call(self, q, k, v, softmax_scale) -> float:
         """:meth:`_validate` and the memory pre-check on this rank, then one exchange so that every rank
         raises the same error when any rank's call is invalid or differs from the others'."""
-        error, scale = None, None
+        error, scale, plans = None, None, self.schedule.make_plan is not None
         try:
             scale = self._validate(q, k, v, softmax_scale)
-            if not self.schedule.planned:
+            if not plans:
                 self.check_memory(q, k, v)
         except (ValueError, TypeError, NotImplementedError, MemoryError) as exc:
             error = exc
         agree.agree(self._setup, "ContextParallel.attention", agree.signature(q, k, v, softmax_scale), error,
                     self._exchange_device)
-        if self.schedule.planned:  # its model is its plan, built (collectively) for this signature
+        if plans:  # its model is its plan, made (collectively) for this signature
             error = None
             try:
                 self.check_memory(q, k, v)
@@ -593,12 +582,9 @@ class ContextParallel:
         phase = "forward+backward" if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad) \
             else "forward"
         problem = self.problem(q, k)
-        if sched.planned:
-            if sched != self.schedule:
-                raise ValueError("peak_memory: planned schedules other than this one are not estimated")
-            return plan_estimate(self.plan(q, k), problem, phase, sched.name).peak_memory
         topology = self.topology or Topology(1, self.world_size)
-        return cost.estimate(sched, problem, topology, phase).peak_memory
+        plan = self.plan(q, k) if sched == self.schedule else None
+        return cost.estimate(sched, problem, topology, phase, plan=plan).peak_memory
 
     def check_memory(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Raise ``MemoryError`` when the call's peak (:meth:`peak_memory`, less q, k, v already held)
@@ -623,12 +609,12 @@ class ContextParallel:
                           f"({source}); {advice}. Reduce the batch or sequence, or choose a leaner schedule")
 
     def _leanest(self, q: torch.Tensor, k: torch.Tensor, mine: int) -> tuple[str, int] | None:
-        """The registered schedule (not planned) with the smallest peak for this call's problem, when
-        it is smaller than ``mine``, this schedule's peak."""
+        """The registered schedule (of those that need no plan) with the smallest peak for this call's
+        problem, when it is smaller than ``mine``, this schedule's peak."""
         problem, best = self.problem(q, k), None
         for name in schedules.names():
             sched = schedules.get(name)
-            if sched.planned or sched == self.schedule:
+            if sched.make_plan is not None or sched == self.schedule:
                 continue
             try:
                 cost.check_supports(sched, problem)
@@ -639,40 +625,41 @@ class ContextParallel:
                 best = (name, peak)
         return best if best is not None and best[1] < mine else None
 
-    # ------------------------------------------------------------------ plans (planned schedules)
-    def _plan_request(self, q: torch.Tensor, k: torch.Tensor):
-        topology = self.topology if self.topology is not None else _local_topology(self.world_size, "ultra")
-        b, _, h, d = q.shape
-        _, order = layout_mod.pieces(self.layout, self.padded_len, self.world_size)
-        return planner.request(self.mask, self.padded_len, topology, b, h, k.shape[2], d,
-                               kernels.dtype_name(q.dtype), self.schedule.plan_options,
-                               self.seq_len, order)
-
+    # ------------------------------------------------------------------ plans (schedules that plan)
     def plan(self, q: torch.Tensor, k: torch.Tensor):
-        """The plan a planned schedule runs for local ``q``, ``k`` (kept per shape and dtype): built (or
-        read from the plan cache) on group rank 0 and broadcast, so every rank runs the same plan.
-        Planning errors are raised on every rank."""
-        if not self.schedule.planned:
-            raise ValueError(f"schedule {self.schedule.name!r} does not run a plan")
+        """The plan this schedule runs a call with local ``q``, ``k`` with (kept per shape and dtype), or
+        None when it needs none: made (or read from the plan cache) on group rank 0 and handed to every
+        rank, so every rank runs the same plan; a view's plans are made fast (``make_plan(fast=True)``).
+        Planning errors are raised on every rank, with their type."""
+        if self.schedule.make_plan is None:
+            return None
         key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device.type)
         with memo.scope(self._memo):
             return self._plans.get(key, lambda: self._distribute_plan(q, k))
 
     def _distribute_plan(self, q: torch.Tensor, k: torch.Tensor):
-        keep = self._base is None  # a view's fast plans are not written to the plan cache on disk
+        topology = self.topology or cost.presets.this_machine(self.world_size, "planning")
+        fast = self._base is not None  # a per-step mask is placed fast; the solver stays for the base mask
+
+        def make():
+            return self.schedule.make_plan(self.problem(q, k), topology, fast=fast)
+
         if self.world_size == 1:
-            return planner.get_plan(self._plan_request(q, k), cache=keep)
+            return make()
         setup = self._setup  # planning traffic is not attention traffic
         text = None
         if setup.rank == 0:
             try:
-                text = planner.get_plan(self._plan_request(q, k), cache=keep).to_json()
+                text = make().to_json()
             except Exception as exc:  # every rank must hear about it, or they would wait forever
-                text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+                text = json.dumps({"error": str(exc), "type": type(exc).__name__})
         text = _broadcast_text(setup, text, q.device)
         if text.startswith('{"error":'):
-            raise RuntimeError(f"{self.schedule.name}: planning failed on rank 0: {json.loads(text)['error']}")
-        return planner.Plan.from_json(text)
+            failure = json.loads(text)
+            kind = {c.__name__: c for c in (ValueError, TypeError, NotImplementedError, MemoryError, ImportError)}
+            raise kind.get(failure["type"], RuntimeError)(
+                f"{self.schedule.name}: planning failed on rank 0: {failure['type']}: {failure['error']}")
+        return self.schedule.read_plan(text)
 
     def problem(self, q: torch.Tensor, k: torch.Tensor) -> Problem:
         """The :class:`cpattn.core.steps.Problem` of a call with local ``q``, ``k`` (padded length)."""
@@ -680,27 +667,13 @@ class ContextParallel:
 
     def expected_volume(self, q: torch.Tensor, k: torch.Tensor) -> dict[str, dict[str, dict[str, int]]]:
         """What ``comm_stats()`` must count on this rank for one forward and one backward with local
-        ``q``, ``k``, per phase: the schedule's volume (from its steps), or its plan's."""
-        if self.schedule.planned:
-            return self.plan(q, k).volume(self.rank, self.plan_sizes(q, k))
-        return self.schedule.volume(self.problem(q, k), self.rank, self.topology)
+        ``q``, ``k``, per phase: the volume of this rank's program (``Schedule.volume``)."""
+        return self.schedule.volume(self.problem(q, k), self.rank, self.topology, self.plan(q, k))
 
-    def plan_sizes(self, q: torch.Tensor, k: torch.Tensor):
-        """The message sizes (``cpattn.schedules.ultra.Sizes``) of this call's plan, for local ``q``, ``k``."""
-        return self.plan(q, k).sizes(q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.element_size(),
-                                     kernels.acc_bytes(q.dtype))
-
-    # ------------------------------------------------------------------ inference
-    def kv_cache(self, layers: int, kv_heads: int, head_dim: int, rows: int = 1, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, capacity: int = 0, merge: str = "auto",
-                 extend: str = "auto"):
-        """An empty key/value cache of ``layers`` layers sharded over this group
-        (:class:`cpattn.inference.KVCache`: prefill keeps each rank's tokens, decoding attends every shard
-        and merges exactly; its ``shape``, ``dtype`` and ``nbytes`` are this rank's)."""
-        from .inference import KVCache
-
-        return KVCache(self, layers, kv_heads, head_dim, rows=rows, dtype=dtype, device=device, capacity=capacity,
-                       merge=merge, extend=extend)
+    def program(self, q: torch.Tensor, k: torch.Tensor, phase: str) -> list:
+        """The steps this rank runs in ``phase`` for a call with local ``q``, ``k`` (``Schedule.program``
+        with this call's plan)."""
+        return self.schedule.program(self.problem(q, k), phase, self.topology, self.plan(q, k), self.rank)
 
     # ------------------------------------------------------------------ accounting
     def comm_stats(self) -> dict[str, dict[str, int]]:
@@ -717,78 +690,3 @@ class ContextParallel:
 
     def reset_comm_stats(self) -> None:
         self.comm.reset_stats()
-
-
-# ---------------------------------------------------------------------- functional entry points
-#: ContextParallel objects of the functional entry points, keyed by value (schedule, the group's global
-#: ranks, sequence length, mask), at most :data:`FUNCTIONAL_KEPT`
-FUNCTIONAL_KEPT = 32
-_CACHE = BoundedCache(FUNCTIONAL_KEPT)
-
-
-def _functional(schedule_name: str):
-    def attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                  alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
-        if dropout_p:
-            raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not supported; pass 0.0")
-        if alibi_slopes is not None:
-            raise NotImplementedError("alibi_slopes is not supported; pass None")
-        mask = _window_mask(bool(causal), window_size)
-        if not isinstance(q, torch.Tensor) or q.dim() != 4:
-            raise ValueError("q must be a [batch, seq, heads, head_dim] tensor")
-        if deterministic and q.device.type != "cpu":
-            raise NotImplementedError(f"deterministic=True is guaranteed on the CPU only, not on {q.device.type}: "
-                                      "the GPU kernels' backward may accumulate in any order")
-        members = Communicator(group, record=False)
-        seq_len = q.shape[1] * members.world_size
-        ranks = tuple(members.global_rank(r) for r in range(members.world_size))
-        key = (schedule_name, ranks, seq_len, mask)
-        cp = _CACHE.get(key, lambda: ContextParallel(seq_len, mask=mask, schedule=schedule_name, group=group))
-        out, lse = cp.attention(q, k, v, softmax_scale=softmax_scale, return_lse=True)
-        return (out, lse, None) if return_attn_probs else out
-
-    attn_func.__name__ = f"{schedule_name}_attn_func"
-    attn_func.__doc__ = (f"``{schedule_name}`` context-parallel attention with the flash-attn signature. Inputs are "
-                         f"this rank's tokens in the schedule's layout; returns ``out`` or ``(out, lse, None)``. "
-                         f"``window_size=(left, right)``: the sliding-window mask (causal or symmetric). "
-                         f"``deterministic=True``: bitwise-reproducible results, guaranteed on the CPU "
-                         f"(NotImplementedError on other devices).")
-    return attn_func
-
-
-def _window_mask(is_causal: bool, window_size) -> Mask:
-    """flash-attn's ``causal`` and ``window_size=(left, right)`` as a mask: query i attends keys
-    ``i - left .. i + right`` (-1: unbounded; ``causal`` forces right = 0). Causal windows and symmetric
-    ones are supported; other asymmetric windows raise."""
-    try:
-        left, right = (int(w) for w in window_size)
-        if (left, right) != tuple(window_size):
-            raise TypeError
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size must be a pair of integers (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size={window_size!r}: each side is -1 (unbounded) or a number of tokens >= 0")
-    if is_causal or right == 0:
-        return causal() if left == -1 else sliding_window(left + 1, causal=True)
-    if (left, right) == (-1, -1):
-        return full()
-    if left == right:
-        return sliding_window(left + 1, causal=False)
-    raise NotImplementedError(f"window_size={(left, right)} with causal=False: only symmetric windows (w, w), "
-                              "(w, 0), (-1, 0) and (-1, -1) are supported; for other shapes build a mask "
-                              "(cpattn.masks.from_mask_mod) and use ContextParallel")
-
-
-ring_attn_func = _functional("ring")
-zigzag_ring_attn_func = _functional("zigzag_ring")
-stripe_ring_attn_func = _functional("stripe_ring")
-allgather_attn_func = _functional("allgather")
-ringx1_attn_func = _functional("ringx1")
-ringx1o_attn_func = _functional("ringx1o")
-ringx2_attn_func = _functional("ringx2")
-ringx2o_attn_func = _functional("ringx2o")
-ringx3_attn_func = _functional("ringx3")
-ringx3b_attn_func = _functional("ringx3b")
-ringx4_attn_func = _functional("ringx4")
-ringx4o_attn_func = _functional("ringx4o")
-ulysses_attn_func = _functional("ulysses")

@@ -1,6 +1,6 @@
 """Inference over a key/value cache sharded across the ranks of a context-parallel group.
 
-:class:`KVCache` (``cp.kv_cache(...)``) holds, per layer, this rank's keys and values and, on every rank,
+:class:`KVCache` (``KVCache(cp, ...)``) holds, per layer, this rank's keys and values and, on every rank,
 which row and position each cached token of every rank has (a few integers per token, so every rank
 can place and mask without asking the others). A step first *places* its tokens, then each layer
 *writes* its keys and values and *attends*:
@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .api import ContextParallel, _local_topology
+from .api import ContextParallel
 from .core import kernels, merge
 from .core.masks import BlockKind
 from .cost import inference as inference_cost
+from .cost.presets import this_machine
 
 #: accepted values of ``KVCache(merge=...)`` and ``KVCache(extend=...)``
 MERGE_CHOICES = ("auto", *inference_cost.MERGES)
@@ -93,9 +94,9 @@ class KVCache:
             raise ValueError(f"merge={merge!r} is unknown; accepted: {', '.join(map(repr, MERGE_CHOICES))}")
         if extend not in EXTEND_CHOICES:
             raise ValueError(f"extend={extend!r} is unknown; accepted: {', '.join(map(repr, EXTEND_CHOICES))}")
-        base = cp._base or cp
+        base = cp.base
         self.comm = base.comm.view(record=False)  # this cache's attention traffic, counted apart
-        self.topology = base.topology or _local_topology(base.world_size, "KVCache")
+        self.topology = base.topology or this_machine(base.world_size, "KVCache")
         self.backend = base.backend
         self.rank, self.world_size = base.rank, base.world_size
         self.layers, self.kv_heads, self.head_dim, self.rows = layers, kv_heads, head_dim, rows

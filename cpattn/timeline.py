@@ -1,6 +1,6 @@
 """Measured timelines: spans per rank, the Chrome trace, and how much transfer time compute hides.
 
-A rank's timeline (``cpattn.core.trace.timeline()``, returned by :meth:`cpattn.core.trace.Timeline.as_dict`) is a
+A rank's timeline (``cpattn.core.trace.timeline()``, returned by :meth:`cpattn.core.trace.Trace.as_dict`) is a
 list of stamped events. :func:`spans` turns it into three kinds of span, in nanoseconds:
 
 - **compute**: one kernel call, from its start to its return (a stacked call of several blocks is one
@@ -9,7 +9,7 @@ list of stamped events. :func:`spans` turns it into three kinds of span, in nano
   wait began, so ``t1 - wait`` is the time this rank spent blocked on it. The end is when the wait
   returned, not when the bytes arrived (which the process cannot see): a transfer that finished early
   and was waited for late counts as in flight until the wait;
-- **phase**: the stretch between two marks (``Timeline.mark``), e.g. a step's forward and backward.
+- **phase**: the stretch between two marks (``Trace.mark``), e.g. a step's forward and backward.
 
 :func:`align` puts several ranks on one origin, :func:`hidden` measures the overlap of transfers with
 compute on one rank, :func:`summary` over ranks, :func:`chrome_trace` writes the Trace Event Format

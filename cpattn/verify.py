@@ -14,6 +14,9 @@ Masks: a case names a mask kind (``Case.mask``) and its JSON-able arguments (``C
 (:func:`dense_mask`, pair by pair, from the definitions in the mask docstrings), never through the
 library's masks. Padding rows (a length the layout cannot split) and rows or keys the mask leaves
 empty must come out exactly: out 0, lse -inf and zero gradients.
+
+Why one module over 500 lines: a case, what each rank runs for it and how the parent judges it
+share one data format, so they are read together.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ class Case:
     topology: tuple[int, int] | None = None  # (nodes, devices_per_node) passed to ContextParallel
     mask_args: dict | None = None  # JSON-able arguments of the mask kind ``mask`` (cpattn.masks.from_spec)
     layout: str | None = None  # passed to ContextParallel (None: the schedule's own; "balanced")
-    #: options of the schedule object, JSON-able (``ultra``'s ``plan_options`` as a dict of PlanOptions fields)
+    #: options of the schedule object, JSON-able (the schedule reads nested ones back, e.g. ``ultra``'s
+    #: ``plan_options`` as a dict)
     options: dict | None = None
     #: (dp, nodes, devices per node): the world as a ("dp", "cp_inter", "cp_intra") DeviceMesh; every dp
     #: replica runs the case on its 2-D context-parallel mesh (two-level collectives), replica
@@ -268,12 +272,9 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def schedule_of(case: Case):
     """The schedule object a case runs: its name with its options."""
-    from . import planner, schedules
+    from . import schedules
 
-    options = dict(case.options or {})
-    if isinstance(options.get("plan_options"), dict):
-        options["plan_options"] = planner.PlanOptions(**options["plan_options"])
-    return schedules.get(case.schedule, **options)
+    return schedules.get(case.schedule, **(case.options or {}))
 
 
 def rank_case(**fields) -> dict:
@@ -417,23 +418,17 @@ def expected_overlap(steps: list) -> tuple[int, int]:
 
 
 def spec_report(cp, q: torch.Tensor, k: torch.Tensor, events: dict[str, list[dict]]) -> dict:
-    """This rank's recordings of one call (per phase) against the steps it ran (:func:`check_steps`):
-    the schedule's ``steps()``, or for a planned schedule its plan compiled into this rank's steps
-    (``cpattn.schedules.ultra.compile_steps``: one message per transfer, in the plan's order). The
-    steps' problem carries the call's layout and padding, so the overlap and kernel counts are checked
-    too (by :func:`check`, over all ranks), for every layout and padded length; a plan's steps are one
-    rank's, so only their messages and order are."""
+    """This rank's recordings of one call (per phase) against the program it ran (:func:`check_steps`;
+    ``ContextParallel.program``: the schedule's rank-generic steps, or those its plan compiles for this
+    rank). The steps' problem carries the call's layout and padding, so for rank-generic steps the
+    overlap and kernel counts are checked too (by :func:`check`, over all ranks), for every layout and
+    padded length; a plan's steps are one rank's, so only their messages and order are."""
     out = {}
+    generic = cp.plan(q, k) is None
     for phase, evs in events.items():
-        if cp.schedule.planned:
-            from .schedules.ultra import compile_steps
-
-            steps = compile_steps(cp.plan(q, k), phase, cp.rank, cp.plan_sizes(q, k))
-            out[phase] = {**check_steps(steps, evs, cp.rank, cp.world_size), "expected": None}
-            continue
-        steps = cp.schedule.steps(cp.problem(q, k), phase, cp.topology)
+        steps = cp.program(q, k, phase)
         rep = check_steps(steps, evs, cp.rank, cp.world_size, cp.topology)
-        out[phase] = {**rep, "expected": expected_overlap(steps)}
+        out[phase] = {**rep, "expected": expected_overlap(steps) if generic else None}
     return out
 
 

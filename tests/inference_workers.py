@@ -12,6 +12,7 @@ from cpattn.core import kernels, merge
 from cpattn.core.masks import BlockKind
 from cpattn.core.steps import payload
 from cpattn.cost.inference import decode_merge_ops, extend_ops
+from cpattn.inference import KVCache
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 SCALE = DIM ** -0.5
@@ -97,7 +98,7 @@ def kv_exactness(prompt: list[int], more: list[int], steps: int, schedule: str, 
 
     cp, view = _chunk(prompt, schedule, window)
     world, rank = cp.world_size, cp.rank
-    kv = cp.kv_cache(layers=1, kv_heads=KV_HEADS, head_dim=DIM, rows=rows, merge=merge_how, extend=extend)
+    kv = KVCache(cp, layers=1, kv_heads=KV_HEADS, head_dim=DIM, rows=rows, merge=merge_how, extend=extend)
     done = [0] * rows
 
     def packed(chunk: list[int], ts: list[torch.Tensor]) -> torch.Tensor:
@@ -154,7 +155,7 @@ def cache_bytes(prompt: int, layers: int = 2, schedule: str = "zigzag_ring") -> 
     """This rank's cache after prefilling ``prompt`` tokens (``layers`` layers of 2 key/value heads of 8,
     float32): its bytes, tokens and shape."""
     cp = cpattn.ContextParallel(prompt, mask="causal", schedule=schedule)
-    kv = cp.kv_cache(layers=layers, kv_heads=KV_HEADS, head_dim=DIM)
+    kv = KVCache(cp, layers=layers, kv_heads=KV_HEADS, head_dim=DIM)
     kv.place_prompt(cp)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, prompt, HEADS, DIM, generator=gen)

@@ -64,7 +64,7 @@ def steady_state_allocations(schedules: list[str], plan_options: dict, seq: int 
     out = {}
     for name in schedules:
         sched = cpattn.schedules.get(name)
-        if sched.planned:
+        if (sched.make_plan is not None):
             sched = cpattn.schedules.get(name, plan_options=cpattn.planner.PlanOptions(**plan_options))
         with forced():
             cp = cpattn.ContextParallel(seq, "causal" if sched.causal else "full", sched)

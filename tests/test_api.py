@@ -8,8 +8,9 @@ import torch
 
 import cpattn
 from cpattn import schedules, verify
-from cpattn.api import _CACHE, FUNCTIONAL_KEPT, PLANS_KEPT
+from cpattn.api import PLANS_KEPT, ContextParallel
 from cpattn.core.memo import BoundedCache
+from cpattn.functional import _CACHE, FUNCTIONAL_KEPT
 from cpattn.launcher import RankError
 
 
@@ -104,3 +105,20 @@ def test_a_wrong_layout_or_a_missing_shard_is_named():
     bhsd = torch.randn(1, 8, 128, 16)
     with pytest.raises(ValueError, match=r"looks like \[batch, heads, seq, head_dim\].*q.transpose\(1, 2\)"):
         cp.attention(bhsd, bhsd, bhsd)
+
+
+def test_a_views_first_call_runs_its_own_checks(monkeypatch):
+    """A view (``with_mask``) keeps its own record of the signatures it checked: its first call runs the
+    memory pre-check even when its base already ran that shape."""
+    checked = []
+    real = ContextParallel.check_memory
+    monkeypatch.setattr(ContextParallel, "check_memory",
+                        lambda self, q, k, v: checked.append(self) or real(self, q, k, v))
+    cp = ContextParallel(64, "causal", "ring")
+    q = torch.randn(1, 64, 2, 8)
+    cp.attention(q, q, q)
+    cp.attention(q, q, q)
+    view = cp.with_mask({"kind": "document", "lengths": [30, 34]})
+    view.attention(q, q, q)
+    view.attention(q, q, q)
+    assert checked == [cp, view]

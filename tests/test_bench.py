@@ -201,7 +201,7 @@ def test_a_wide_table_keeps_every_schedule_name_and_header_whole(capsys, monkeyp
     narrow terminal the long headers fold, but a schedule name is never shortened."""
     from rich.console import Console
 
-    from cpattn.cli import output
+    from cpattn import output
 
     flex = {"fwd_s": 0.03, "compile_s": 12.0, "mask_mod": "arithmetic", "error": 2e-7, "fwd_mask_efficiency": 0.9}
     result = _synthetic(predicted=True, masked=True, flex=flex)

@@ -105,8 +105,9 @@ def _fastest(name: str, seq: int, world: int, mask) -> None:
     import torch
 
     import cpattn
-    from cpattn.api import AUTO_SHAPE, _local_topology
+    from cpattn.api import AUTO_SHAPE
     from cpattn.cost import Estimate, Problem, rank_schedules
+    from cpattn.cost.presets import this_machine as _local_topology
 
     problem = Problem(seq, world, cpattn.masks.resolve(mask), dtype="bfloat16" if torch.cuda.is_available() else
                       "float32", **AUTO_SHAPE)

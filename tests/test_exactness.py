@@ -32,7 +32,7 @@ MHA = ((4, 4), (6, 6), (12, 12))
 
 
 def _with_options(case: verify.Case) -> verify.Case:
-    if schedules.get(case.schedule).planned:
+    if (schedules.get(case.schedule).make_plan is not None):
         return dataclasses.replace(case, options=PLAN_OPTIONS)
     return case
 
@@ -109,7 +109,7 @@ def test_matrix_covers_every_registered_schedule():
         mine = {(c.world, c.group, c.mask, c.dtype, c.heads, c.kv_heads) for c in CASES
                 if c.schedule == name and c.mask not in CAUSAL_MASKS}
         assert len(mine) == 5 * 2 * 2 * 2, name
-    assert all(c.options for c in CASES if schedules.get(c.schedule).planned)
+    assert all(c.options for c in CASES if (schedules.get(c.schedule).make_plan is not None))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])

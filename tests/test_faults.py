@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from cpattn import distributed
-from cpattn.api import _local_topology
 from cpattn.core.topology import Link, RatePoint, Topology
 from cpattn.cost import presets, profile
+from cpattn.cost.presets import this_machine as _local_topology
 from cpattn.launcher import LocalWorld, RankError, WorldError, free_port
 from cpattn.planner import PlanOptions, PlanVersionError, get_plan, load_plan, request, save_plan
 from cpattn.planner.model import SCHEMA_VERSION

@@ -20,8 +20,7 @@ from test_bench import _synthetic
 from test_cli import _slow, shrink
 
 import cpattn
-from cpattn import bench, cli, schedules
-from cpattn.cli import output
+from cpattn import bench, cli, output, schedules
 from cpattn.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

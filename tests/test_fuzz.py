@@ -160,7 +160,7 @@ def fuzz_cases(draw, place: tuple[int, tuple[int, ...] | None] | None = None, na
     heads_ok = [hk for hk in HEADS if _accepts(name, mask, *hk, p)]
     assume(heads_ok)  # the mask is causal for a bidirectional-only schedule, or the reverse
     heads, kv_heads = draw(st.sampled_from(heads_ok))
-    options = dict(PLAN_OPTIONS) if sched.planned else None
+    options = dict(PLAN_OPTIONS) if (sched.make_plan is not None) else None
     if name == "usp":
         degrees = [d for d in range(1, p + 1) if p % d == 0 and heads % d == 0]
         degree = draw(st.sampled_from([None, *degrees]))

@@ -12,6 +12,7 @@ from inference_workers import DIM, HEADS, KV_HEADS, cache_bytes, kv_exactness
 import cpattn
 from cpattn.cost import inference as icost
 from cpattn.cost.presets import preset
+from cpattn.inference import KVCache
 from cpattn.launcher import RankError
 
 
@@ -87,12 +88,12 @@ def test_sharded_cache_matrix(worlds, world):
 
 def test_misuse_raises_before_anything_is_written():
     cp = cpattn.ContextParallel(8, mask="causal", schedule="ring")
-    kv = cp.kv_cache(layers=2, kv_heads=KV_HEADS, head_dim=DIM)
+    kv = KVCache(cp, layers=2, kv_heads=KV_HEADS, head_dim=DIM)
     k = torch.randn(1, 8, KV_HEADS, DIM)
     with pytest.raises(RuntimeError, match="place the step"):
         kv.write(0, k, k)
     with pytest.raises(ValueError, match="merge="):
-        cp.kv_cache(layers=1, kv_heads=1, head_dim=4, merge="tree")
+        KVCache(cp, layers=1, kv_heads=1, head_dim=4, merge="tree")
     with pytest.raises(ValueError, match="lengths"):
         kv.place_prompt(cp, [3, 5])
     kv.place_prompt(cp)

@@ -1,6 +1,8 @@
-"""One-way layering (docs/architecture.md): core (``cpattn/core``) -> schedules -> model (``cost``,
-``planner``) -> tools (the rest) -> lab (``cpattn/lab``: only the commands that run it import it). The
-package's imports are read from its source, so an import inside a function counts too."""
+"""One-way layering (docs/architecture.md): core (``cpattn/core``) -> planner (``cpattn/planner``: a
+library the ``ultra`` schedule calls) -> schedules -> model (``cost``) -> tools (the rest) -> lab
+(``cpattn/lab``: only the commands that run it import it), and no
+module imports itself back through others (no import cycle). The package's imports are read from its
+source, so an import inside a function counts too."""
 
 from __future__ import annotations
 
@@ -12,20 +14,20 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "cpattn"
-LAYERS = {"core": 1, "schedules": 2, "model": 3, "tools": 4, "lab": 5}
+LAYERS = {"core": 1, "planner": 2, "schedules": 3, "model": 4, "tools": 5, "lab": 6}
 #: tool modules that may import the lab: the commands that run it (and the command table)
 LAB_USERS = ("cpattn.cli", "cpattn.cli.__main__", "cpattn.cli.calibrate", "cpattn.cli.reproduce")
 
 
 def layer_of(module: str) -> int:
-    """The layer of a ``cpattn`` module name (``cpattn.cost.estimate`` -> 3)."""
+    """The layer of a ``cpattn`` module name (``cpattn.cost.estimate`` -> 4)."""
     parts = module.split(".")
     if len(parts) == 1:
         return LAYERS["tools"]  # the package root re-exports the front door
     top = parts[1]
-    if top in ("core", "schedules", "lab"):
+    if top in ("core", "planner", "schedules", "lab"):
         return LAYERS[top]
-    if top in ("cost", "planner"):
+    if top == "cost":
         return LAYERS["model"]
     if module in LAB_USERS:
         return LAYERS["lab"]
@@ -106,6 +108,84 @@ def test_no_two_subpackages_import_each_other():
     assert not cycles, "import cycles between sub-packages:\n" + "\n".join(cycles)
 
 
+#: ``(importer, imported)`` imports the module cycle check ignores: none
+KNOWN_CYCLE_EDGES: frozenset = frozenset()
+
+
+def import_graph(ignored: frozenset = KNOWN_CYCLE_EDGES) -> dict[str, dict[str, str]]:
+    """``graph[a][b]``: where module ``a`` first imports module ``b`` (``path:line``). A module importing
+    itself and the ``ignored`` edges are left out; ``from . import x`` in a package imports ``x`` only."""
+    graph: dict[str, dict[str, str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        edges = graph.setdefault(module, {})
+        for line, target in imports_of(path):
+            if target != module and (module, target) not in ignored:
+                edges.setdefault(target, f"{path.relative_to(PACKAGE.parent)}:{line}")
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            at = stack.index(v)
+            found.append(sorted(stack[at:]))
+            del stack[at:]
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_cycles() -> list[str]:
+    """Every cycle of module imports: a strongly connected component of more than one module, with the
+    imports inside it."""
+    graph = import_graph()
+    cycles = []
+    for component in strongly_connected(graph):
+        if len(component) > 1:
+            inside = [f"  {a} -> {b} ({graph[a][b]})" for a in component for b in sorted(graph[a]) if b in component]
+            cycles.append(" <-> ".join(component) + ":\n" + "\n".join(inside))
+    return cycles
+
+
+def test_no_module_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, "import cycles between modules:\n" + "\n".join(cycles)
+
+
+def test_the_cycle_check_finds_a_submodule_importing_its_package(tmp_path, monkeypatch):
+    """A package that re-exports its submodules is no cycle, nor is a module importing itself; a submodule
+    that imports its package back (even inside a function) is one, with every module on the way."""
+    pkg = tmp_path / "cpattn"
+    (pkg / "planner").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "planner" / "__init__.py").write_text("from . import build\nfrom .cache import get\n")
+    (pkg / "planner" / "cache.py").write_text("from . import build\nimport cpattn.planner.cache\n")
+    (pkg / "planner" / "build.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    assert import_cycles() == []
+    (pkg / "planner" / "build.py").write_text("def plan():\n    from .. import planner\n")
+    cycles = import_cycles()
+    assert len(cycles) == 1 and cycles[0].startswith(
+        "cpattn.planner <-> cpattn.planner.build <-> cpattn.planner.cache:"), cycles
+
+
 def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):
     """The reader finds relative, absolute and function-level imports, so it can fail."""
     pkg = tmp_path / "cpattn"
@@ -118,14 +198,14 @@ def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):
     (pkg / "schedules" / "bad.py").write_text("def f():\n    from ..cost import estimate\n    import cpattn.api\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
     bad = upward_imports()
-    assert len(bad) == 2 and all("cpattn.schedules.bad (layer 2)" in b for b in bad), bad
+    assert len(bad) == 2 and all("cpattn.schedules.bad (layer 3)" in b for b in bad), bad
 
 
 @pytest.mark.parametrize("module,layer", [("cpattn.core.comm", 1), ("cpattn.core.steps", 1),
-                                          ("cpattn.schedules.ring", 2), ("cpattn.cost.estimate", 3),
-                                          ("cpattn.planner.build", 3), ("cpattn.api", 4), ("cpattn.cli.plan", 4),
-                                          ("cpattn.distributed", 4), ("cpattn", 4), ("cpattn.lab.calibrate", 5),
-                                          ("cpattn.cli.reproduce", 5)])
+                                          ("cpattn.planner.build", 2), ("cpattn.schedules.ring", 3),
+                                          ("cpattn.cost.estimate", 4), ("cpattn.api", 5), ("cpattn.cli.plan", 5),
+                                          ("cpattn.distributed", 5), ("cpattn", 5), ("cpattn.lab.calibrate", 6),
+                                          ("cpattn.cli.reproduce", 6)])
 def test_layer_names(module, layer):
     assert layer_of(module) == layer
 
@@ -134,6 +214,7 @@ def test_core_modules_live_in_the_core_folder():
     """Every module of the core layer is in ``cpattn/core`` and the package root holds no core module."""
     root_modules = {p.stem for p in PACKAGE.glob("*.py")}
     core = {p.stem for p in (PACKAGE / "core").glob("*.py")} - {"__init__"}
+    core |= {p.parent.name for p in (PACKAGE / "core").glob("*/__init__.py")}
     assert {"masks", "layout", "kernels", "comm", "steps", "executor", "merge"} <= core
     assert not root_modules & core, sorted(root_modules & core)
 

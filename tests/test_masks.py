@@ -423,7 +423,7 @@ def _family_cases() -> list[verify.Case]:
                 found = verify.matrix([name], worlds=(4,), subgroup=False, masks=(form,), dtypes=("float32",),
                                       heads=((8, 2),), seed=4000 + 20 * f + i)
                 if found:
-                    opts = PLAN_OPTIONS if schedules.get(name).planned else None
+                    opts = PLAN_OPTIONS if (schedules.get(name).make_plan is not None) else None
                     cases.append(dataclasses.replace(found[0], options=opts))
                     break
     return cases

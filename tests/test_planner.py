@@ -13,13 +13,14 @@ import sys
 import pytest
 
 from cpattn import cli, masks
-from cpattn.core.steps import Kernel as CostKernel
+from cpattn.core.steps import Kernel
 from cpattn.cost import Problem, Topology, simulate
 from cpattn.planner import PlanOptions, build_plan, get_plan, load_plan, request, save_plan, validate
 from cpattn.planner import block_table as bt
 from cpattn.planner.kernel_graph import build as build_graph
 from cpattn.planner.kernel_graph import route
-from cpattn.planner.model import SCHEMA_VERSION, Plan
+from cpattn.planner.messages import Sizes
+from cpattn.planner.model import SCHEMA_VERSION, Plan, PlanVersionError
 from cpattn.planner.partition_ilp import (
     MessageUnits,
     PartitionProblem,
@@ -33,7 +34,6 @@ from cpattn.planner.partition_ilp import (
 from cpattn.planner.pricing import Pricing
 from cpattn.planner.schedule_ilp import schedule
 from cpattn.planner.tiling import allocate, fuse, fuse_all, owners
-from cpattn.schedules.ultra import Sizes
 
 FAST = PlanOptions(time_budget=1.0, partition_time_limit=0.5, schedule_time_limit=0.5)
 
@@ -259,7 +259,7 @@ def test_validation_rejects_broken_plans():
     reversed_ops["phases"]["forward"]["ops"] = [ops[::-1] for ops in data["phases"]["forward"]["ops"]]
     with pytest.raises(ValueError, match="before"):
         Plan.from_json(json.dumps(reversed_ops))
-    with pytest.raises(ValueError, match="stale"):
+    with pytest.raises(PlanVersionError, match=f"format version {SCHEMA_VERSION + 1}, this cpattn reads"):
         Plan.from_json(json.dumps(dict(data, version=SCHEMA_VERSION + 1)))
     with pytest.raises(ValueError, match="not JSON"):
         Plan.from_json(plan.to_json()[:-5])
@@ -451,9 +451,9 @@ def test_a_partial_cell_is_priced_as_the_cover_the_executor_runs():
     assert table.kind(0, 0) == "partial"
     dev = topo.device
     for phase in ("forward", "backward"):
-        piece = dev.kernel_time(CostKernel("causal", 128, 128, 128 * 129 // 2), problem, phase)
+        piece = dev.kernel_time(Kernel("causal", 128, 128, 128 * 129 // 2), problem, phase)
         assert pricing.seconds(table, "partial", (0,), (0,), phase) == pytest.approx(4 * piece - 3 * dev.launch)
-        dense = dev.kernel_time(CostKernel("partial", 512, 512, table.area[0]), problem, phase)
+        dense = dev.kernel_time(Kernel("partial", 512, 512, table.area[0]), problem, phase)
         assert pricing.seconds(table, "partial", (0,), (0,), phase) < dense / 2
     with pytest.raises(ValueError, match="one cell"):
         pricing.seconds(table, "partial", (0, 1), (0,), "forward")
@@ -463,7 +463,7 @@ def test_a_partial_cell_is_priced_as_the_cover_the_executor_runs():
     plain = Pricing(unstructured, 1024, 1024, None, topo.device, problem)
     assert table.kind(0, 0) == "partial" and not plain.structured and pricing.structured
     assert plain.seconds(table, "partial", (0,), (0,), "forward") == pytest.approx(
-        dev.kernel_time(CostKernel("partial", 512, 512, table.area[0]), problem, "forward"))
+        dev.kernel_time(Kernel("partial", 512, 512, table.area[0]), problem, "forward"))
 
 
 def test_a_partial_cell_of_a_reordered_table_is_priced_at_its_original_tokens():

@@ -157,7 +157,7 @@ def _cases() -> list[verify.Case]:
     cases = []
     for name in schedules.names():
         sched = schedules.get(name)
-        options = {"plan_options": PLAN_OPTIONS} if sched.planned else None
+        options = {"plan_options": PLAN_OPTIONS} if (sched.make_plan is not None) else None
         for mask in ("causal", "document") if sched.causal else ("full",):
             found = verify.matrix([name], worlds=(2,), subgroup=False, masks=(mask,), dtypes=("float32",),
                                   heads=((4, 2),), seq=SEQ)

@@ -18,7 +18,7 @@ from cpattn.launcher import RankError
 
 
 def _recorded(transfers=(), kernels_=(), marks=(), name: str = "sendrecv") -> dict:
-    """A timeline as ``Timeline.as_dict`` gives it: ``transfers`` ``(issue, wait start, wait end)``,
+    """A timeline as ``Trace.as_dict`` gives it: ``transfers`` ``(issue, wait start, wait end)``,
     ``kernels_`` ``(start, end)``, ``marks`` ``(name, t)``."""
     ops = [("send", 8, 0), ("recv", 0, 8)] if name == "sendrecv" else [(name, 8, 8)]
     events = [{"ev": "mark", "name": n, "t": t} for n, t in marks]

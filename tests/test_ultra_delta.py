@@ -9,7 +9,8 @@ import torch
 from cpattn.masks import BlockKind
 
 from cpattn import kernels
-from cpattn.schedules.ultra import ITEMS, Sizes
+from cpattn.planner.messages import Sizes
+from cpattn.schedules.ultra import CODECS
 
 FULL, CAUSAL, PARTIAL = BlockKind.FULL, BlockKind.CAUSAL, BlockKind.PARTIAL
 
@@ -74,7 +75,7 @@ def test_backward_row_message_is_q_dout_lse_and_delta(dtype):
     assert z.item_bytes("qb") == b * n * h * (2 * d * z.elem + 2 * z.acc_elem)
     q, dout = torch.randn(b, n, h, d).to(dtype), torch.randn(b, n, h, d).to(dtype)
     lse, delta = torch.randn(b, h, n, dtype=acc), torch.randn(b, h, n, dtype=acc)
-    item = ITEMS["qb"]
+    item = CODECS["qb"]
     buf = item.pack((q, dout, lse, delta))
     shape, buf_dtype = item.buffer(z, dtype, acc)
     assert buf.dtype == buf_dtype and buf.numel() == shape[0] == z.item_bytes("qb")

@@ -131,11 +131,13 @@ def api_roundtrip(schedule: str) -> dict:
 
 
 def distributed_merge_check(owner: int) -> dict:
-    """Keys split over the ranks; each rank attends to its share; merge onto ``owner``. Rank 1 (if
+    """Keys split over the ranks; each rank attends to its share; the executor's distributed merge
+    (``LseMax``, an all_reduce max, ``Weigh``, two reduces, ``Land``) merges onto ``owner``. Rank 1 (if
     any) sees no key at all for the first query rows (lse -inf) to exercise the empty case."""
-    from cpattn.merge import distributed_merge
-
     from cpattn.core.comm import Communicator
+    from cpattn.core.executor import Accumulators, Runtime, execute
+    from cpattn.core.layout import Layout
+    from cpattn.core.steps import CommOp, Land, LseMax, Step, Weigh, Zeros
 
     comm = Communicator()
     p, r = comm.world_size, comm.rank
@@ -153,10 +155,18 @@ def distributed_merge_check(owner: int) -> dict:
     lse = torch.logsumexp(mine, -1)
     probs = torch.exp(mine - torch.where(lse.isinf(), 0.0, lse)[..., None])
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v[:, 4 * r:4 * (r + 1)])
-    res = distributed_merge(out, lse, owner, comm)
-    if res is None:
+    part = Accumulators(q)
+    part.out.copy_(out)
+    part.lse.copy_(lse)
+    steps = [Step(before=(LseMax("part", "m"),), comm=(CommOp("all_reduce", 0, send="m", reduce_op="max"),)),
+             Step(before=(Weigh("part", "m", "num", "den"),),
+                  comm=(CommOp("reduce", 0, root=owner, send="num"), CommOp("reduce", 0, root=owner, send="den"))),
+             Step(before=(Zeros("out", "q", output=True),), after=(Land(owner, "num", "den", "m", "out"),))]
+    rt = Runtime(comm, cpattn.masks.full(), Layout("contiguous"), 4 * p)
+    acc = execute(rt, steps, {"part": part, "q": q}, lambda _: None, keep=("out",))["out"]
+    if r != owner:
         return {"rank": r, "owner": False}
-    o, lse_m = res
+    o, lse_m = acc.out, acc.lse
     return {"rank": r, "owner": True, "out_err": float((o - full_out).abs().max()),
             "lse_ok": bool(torch.equal(lse_m.isinf(), full_lse.isinf())),
             "lse_err": float((lse_m[~lse_m.isinf()] - full_lse[~full_lse.isinf()]).abs().max()),
@@ -349,7 +359,7 @@ def host_reads(masks: list) -> dict:
                 sched.check_mask(mask)
             except (ValueError, NotImplementedError):
                 continue
-            if sched.planned:
+            if (sched.make_plan is not None):
                 sched = type(sched)(fast)
             cp = cpattn.ContextParallel(seq, mask, sched)
             g = torch.Generator().manual_seed(7)

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         from rich.markup import escape
 
-        from .output import stderr
+        from ..output import stderr
 
         stderr().print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         return 2

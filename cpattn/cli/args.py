@@ -30,6 +30,29 @@ def algorithm(text: str) -> str:
     return text
 
 
+def algorithm_choice(given: str | None) -> str | None:
+    """The collective algorithms to simulate with: ``--algorithm``, else ``$NCCL_ALGO`` when set (it must
+    be a spec ``--algorithm`` accepts; a bare "ring" or "tree" sets the all-reduce only, as in NCCL and
+    RCCL, whose broadcast and reduce are always rings), else None (the topology's own: auto, or local's
+    calibrated ones)."""
+    import os
+
+    from ..core.topology import parse_algorithm
+
+    if given is not None:
+        return given
+    env = os.environ.get("NCCL_ALGO")
+    if not env:
+        return None
+    try:
+        parse_algorithm(env)
+    except ValueError as exc:
+        raise ValueError(f"NCCL_ALGO={env!r} sets the default of --algorithm but is not understood ({exc}); pass "
+                         "--algorithm explicitly, e.g. --algorithm auto") from None
+    bare = env.strip().lower()
+    return f"all_reduce:{bare}" if bare in ("ring", "tree") else env
+
+
 # ----------------------------------------------------------------------------------- lists
 def positive(text: str) -> int:
     """A ``type=`` for counts and sizes: a positive int (argparse prints the error as one line)."""

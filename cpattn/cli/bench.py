@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..output import save_json, stderr, stdout, to_stdout
 from . import args as a
-from .output import save_json, stderr, stdout, to_stdout
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

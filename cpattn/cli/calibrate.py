@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .output import stderr, stdout
+from ..output import stderr, stdout
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

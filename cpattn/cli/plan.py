@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from .. import output as tables
+from ..output import Column, stderr, stdout
 from . import args as a
-from . import output as tables
-from .output import Column, stderr, stdout
 
 DEFAULT_GPUS = 8
 #: the tables' columns; ``drop``: the order in which they are left out of a narrow terminal (1 first)

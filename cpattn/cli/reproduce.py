@@ -12,8 +12,8 @@ import itertools
 import time
 from dataclasses import asdict
 
+from ..output import Column, save_json, schedule_style, stderr, stdout, table, to_stdout
 from . import args as a
-from .output import Column, save_json, schedule_style, stderr, stdout, table, to_stdout
 
 #: what ``ultraattn --full`` runs (the paper's grid); the default is the part that plans in minutes
 ULTRA_FULL = {"seq": [65536, 524288], "gpus": [8, 16, 32, 64], "heads": [1, 32]}
@@ -310,7 +310,7 @@ def run_ultraattn(args) -> int:
             label = f"{pattern} S={seq} P={p} Nh={h}"
 
             def show(name: str, label: str = label) -> None:
-                what = "planning ultra" if name == "ultra" else name
+                what = f"planning {name}" if schedules.get(name).make_plan is not None else name
                 progress.update(task, description=f"{label}: {what}")
 
             case = r.ultra_case(pattern, seq, p, h, args.kv_heads or h, args.head_dim, args.dtype, args.baselines,

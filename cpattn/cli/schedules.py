@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .output import Column, save_json, stdout, table, to_stdout
+from ..output import Column, save_json, stdout, table, to_stdout
 
 #: the table's columns; ``drop`` is the order in which they are left out of a narrow terminal
 COLUMNS = (Column("name", "left"), Column("masks it runs", "left", wrap=True, min_width=14),

@@ -6,8 +6,8 @@ import argparse
 
 from ..cost.documents import DISTRIBUTIONS
 from ..cost.profile import SHIPPED
+from ..output import Column, footnotes, save_json, schedule_style, stderr, stdout, table, to_stdout
 from . import args as a
-from .output import Column, footnotes, save_json, schedule_style, stderr, stdout, table, to_stdout
 
 DEFAULT_GPUS = [8, 64, 512, 4096]
 #: the longest note kept in its cell; a longer one (why a schedule cannot run) is a numbered footnote
@@ -88,29 +88,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return m
 
 
-def algorithm_choice(given: str | None) -> str | None:
-    """The collective algorithms to simulate with: ``--algorithm``, else ``$NCCL_ALGO`` when set (it must
-    be a spec ``--algorithm`` accepts; a bare "ring" or "tree" sets the all-reduce only, as in NCCL and
-    RCCL, whose broadcast and reduce are always rings), else None (the topology's own: auto, or local's
-    calibrated ones)."""
-    import os
-
-    from ..core.topology import parse_algorithm
-
-    if given is not None:
-        return given
-    env = os.environ.get("NCCL_ALGO")
-    if not env:
-        return None
-    try:
-        parse_algorithm(env)
-    except ValueError as exc:
-        raise ValueError(f"NCCL_ALGO={env!r} sets the default of --algorithm but is not understood ({exc}); pass "
-                         "--algorithm explicitly, e.g. --algorithm auto") from None
-    bare = env.strip().lower()
-    return f"all_reduce:{bare}" if bare in ("ring", "tree") else env
-
-
 def _mask_label(args, mask) -> str:
     """The mask as the title names it: its repr, or the documents packed under it (``--documents``)."""
     if args.documents is None:
@@ -166,7 +143,7 @@ def run(args) -> int:
             continue
         (names if cost.estimable(name) else unmodelled).append(name)
     prof = a.topology_profile(args.topology, args.profile)
-    algo = algorithm_choice(args.algorithm)
+    algo = a.algorithm_choice(args.algorithm)
     # the row's key of each phase's estimate ("estimate": the --phase table's one, as --json has always named it)
     phases = {"forward": "forward", "backward": "backward"} if args.tflops else {"estimate": args.phase}
     rows, bounds, device = [], {}, None
@@ -327,7 +304,7 @@ def run_model(args) -> int:
     efficiency = args.matmul_efficiency
     if efficiency is None:
         efficiency = MATMUL_EFFICIENCY.get(preset, DEFAULT_MATMUL_EFFICIENCY)
-    algo = algorithm_choice(args.algorithm)
+    algo = a.algorithm_choice(args.algorithm)
 
     def build(world: int, profile=None):
         built = args.topology.build(world, profile)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from .output import Column, stderr, stdout, table
+from ..output import Column, stderr, stdout, table
 
 #: the context of the published prefill figures (Meta's "1M")
 MILLION = 1 << 20
@@ -61,7 +61,6 @@ def run_inference(args) -> int:
     from ..cost.presets import DEFAULT_MATMUL_EFFICIENCY, MATMUL_EFFICIENCY, MATMUL_PEAK
     from ..models.flops import matmul_param_count, param_count
     from . import args as a
-    from .simulate import algorithm_choice
 
     known = models()
     name = args.model or "llama3-8b"
@@ -82,7 +81,7 @@ def run_inference(args) -> int:
     bad = [g for g in gpus if g % tp]
     if bad:
         raise ValueError(f"--gpus {bad}: every count must be a multiple of --tp {tp}")
-    algo = algorithm_choice(args.algorithm)
+    algo = a.algorithm_choice(args.algorithm)
     prof = a.topology_profile(args.topology, args.profile)
 
     def build(world: int):

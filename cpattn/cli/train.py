@@ -22,7 +22,7 @@ import os
 import signal
 from pathlib import Path
 
-from .output import show_wide, stderr
+from ..output import show_wide, stderr
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

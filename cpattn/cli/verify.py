@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..output import Column, save_json, stderr, stdout, table, to_stdout
 from . import args as a
-from .output import Column, save_json, stderr, stdout, table, to_stdout
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

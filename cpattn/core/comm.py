@@ -38,6 +38,9 @@ issue and the wait's start and end are stamped with wall time (``cpattn bench --
 On a gloo group, calls on CUDA tensors (and on CPU tensors when forced: ``stage=True`` or
 ``CPATTN_STAGE=1``) run through reused host buffers (:mod:`cpattn.core.staging`), which lets P ranks
 share one GPU; the accounting is the same either way.
+
+Why one module over 500 lines: it is the one communicator (style.md), and its accounting,
+staging and two-level collectives must see every call.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ recording check (``cpattn.verify.check_steps``) holds the run to the very steps 
 Also here: :class:`Runtime` (what a call needs, identical on every rank), :class:`Accumulators`
 (output and lse accumulators whose written rows are known on the host, so nothing is read back from
 the device), :func:`attend` / :func:`attend_backward` (blocks batched into stacked kernel calls).
+
+Why one module over 500 lines: the runner and the block computations it calls share the
+runtime's caches and the accumulators' host-side record; apart, each would reach into the other's
+internals.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from .layout import Layout
 from .masks import Mask
 from .memo import BoundedCache
 from .merge import merge_finish, merge_into, merge_weights
-from .steps import OWN, Add, Attend, AttendBack, CommOp, Land, Local, LseMax, Problem, Step, Weigh, Zeros
+from .program import Plan
+from .steps import OWN, Add, Attend, AttendBack, CommOp, Fold, Land, Local, LseMax, Problem, Step, Weigh, Zeros
 from .topology import Topology
 
 
@@ -47,7 +52,7 @@ class Runtime:
     backend: str = "auto"
     topology: Topology | None = None  # nodes x devices per node, when the schedule should use it
     seq_len: int | None = None  # the real tokens (None: padded_len); positions >= seq_len are padding
-    plan: Any = None  # planned schedules (``ultra``): the cpattn.planner.Plan of this call
+    plan: Plan | None = None  # a schedule that plans (``Schedule.make_plan``): the plan of this call
     sinks: torch.Tensor | None = None  # per-head sink logits ``[h]`` of this call (None: no sinks)
     softcap: float | None = None  # scores soft-capped as tanh(s / softcap) * softcap (None: not capped)
     block_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
@@ -212,29 +217,34 @@ def attend(rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block
 
 
 def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, blocks: list[blocks_mod.Block],
-                    dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
+                    out: torch.Tensor | None, lse: torch.Tensor, blocks: list[blocks_mod.Block],
+                    dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor,
+                    delta: torch.Tensor | None = None) -> None:
     """Run the backward kernel on the blocks (stacked as in :func:`attend`) and add their gradients into
-    the accumulators; ``index_add_`` sums the key gradients of blocks that share key rows."""
+    the accumulators; ``index_add_`` sums the key gradients of blocks that share key rows. ``out``
+    None: the rows' ``delta = rowsum(dout * out)`` stands for it (``kernels.backward``; stacked calls
+    get ``kernels.out_for_delta``)."""
     b = q.shape[0]
     for run in rt.batches(blocks, q.device):
         batch = run.batch
         if not batch.stacked:
             blk = batch.blocks[0]
-            dq, dk, dv = kernels.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.kv], v[:, blk.kv], out[:, blk.q],
-                                          lse[:, :, blk.q], blk.kind, rt.scale, blk.mask, rt.backend,
-                                          softcap=rt.softcap)
+            dq, dk, dv = kernels.backward(dout[:, blk.q], q[:, blk.q], k[:, blk.kv], v[:, blk.kv],
+                                          None if out is None else out[:, blk.q], lse[:, :, blk.q], blk.kind,
+                                          rt.scale, blk.mask, rt.backend,
+                                          delta=None if delta is None else delta[:, :, blk.q], softcap=rt.softcap)
             dq_acc[:, blk.q] += dq
             dk_acc[:, blk.kv] += dk
             dv_acc[:, blk.kv] += dv
             continue
         n = len(batch.blocks)
         rs, cs, rows, cols = run.row_span, run.col_span, run.rows, run.cols
+        stand_in = out if out is not None else kernels.out_for_delta(dout, delta)
         lse_b = _take(lse, rs, rows, 2)
         lse_b = lse_b.reshape(b, lse.shape[1], n, -1).transpose(1, 2).reshape(b * n, lse.shape[1], -1)
         dq, dk, dv = kernels.backward_stacked(
             _stack(dout, rs, rows, n), _stack(q, rs, rows, n), _stack(k, cs, cols, n), _stack(v, cs, cols, n),
-            _stack(out, rs, rows, n), lse_b, batch.kind, rt.scale, n, rt.backend, run.masks, rt.softcap)
+            _stack(stand_in, rs, rows, n), lse_b, batch.kind, rt.scale, n, rt.backend, run.masks, rt.softcap)
         for acc, grad, span, index in ((dq_acc, dq, rs, rows), (dk_acc, dk, cs, cols), (dv_acc, dv, cs, cols)):
             grad = grad.reshape(b, -1, *grad.shape[2:])
             if span is not None:
@@ -250,26 +260,69 @@ def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.T
 BlocksOf = Callable[[Hashable], "list[blocks_mod.Block] | None"]
 
 
+def _reads_writes(action) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The buffer roles an action reads (or updates in place) and those it makes."""
+    if isinstance(action, Attend):
+        return (action.kv, action.q, action.into), ()
+    if isinstance(action, AttendBack):
+        rows = (action.out if action.delta is None else action.delta,)
+        return (action.kv, action.dkv, action.q, action.dout, action.lse, action.dq, *rows), ()
+    if isinstance(action, Fold):
+        return (action.src,), (action.into,)
+    if isinstance(action, Zeros):
+        return (action.like,), (action.role,)
+    if isinstance(action, Add):
+        return (action.into, action.src), ()
+    if isinstance(action, LseMax):
+        return (action.part,), (action.into,)
+    if isinstance(action, Weigh):
+        return (action.part, action.m), (action.num, action.den)
+    if isinstance(action, Land):
+        return (action.num, action.den, action.m, action.into), ()
+    if isinstance(action, Local):
+        return (action.src if isinstance(action.src, tuple) else (action.src,)), \
+            ((action.dst,) if action.dst is not None else ())
+    raise TypeError(f"unknown action {action!r}")
+
+
 def _roles(action) -> tuple[str, ...]:
     """The buffer roles an action reads or writes."""
-    if isinstance(action, Attend):
-        return (action.kv, action.q, action.into)
-    if isinstance(action, AttendBack):
-        return (action.kv, action.dkv, "q", "dout", "out", "lse", "dq")
-    if isinstance(action, Zeros):
-        return (action.role, action.like)
-    if isinstance(action, Add):
-        return (action.into, action.src)
-    if isinstance(action, LseMax):
-        return (action.part, action.into)
-    if isinstance(action, Weigh):
-        return (action.part, action.m, action.num, action.den)
-    if isinstance(action, Land):
-        return (action.num, action.den, action.m, action.into)
-    if isinstance(action, Local):
-        src = action.src if isinstance(action.src, tuple) else (action.src,)
-        return (*src, *((action.dst,) if action.dst is not None else ()))
-    raise TypeError(f"unknown action {action!r}")
+    reads, writes = _reads_writes(action)
+    return reads + writes
+
+
+#: the roles a phase's program starts from (``Schedule.forward`` / ``Schedule.backward``)
+START_ROLES = {"forward": frozenset({"q", "kv0"}), "backward": frozenset({"q", "kv0", "dout", "out", "lse"})}
+
+
+def check_program(steps: list[Step], start: frozenset[str] | set[str]) -> list[Step]:
+    """``steps`` when every role an action or op reads was declared before it (one of ``start``, or made
+    by an earlier action or received by an earlier op), else ``ValueError`` naming the first one that
+    was not; checked before anything runs."""
+    known = set(start)
+
+    def need(i: int, what, roles) -> None:
+        for role in roles:
+            if role not in known:
+                raise ValueError(f"step {i}: {what!r} uses the role {role!r}, which no earlier step declares "
+                                 f"(known: {', '.join(sorted(known))})")
+
+    for i, st in enumerate(steps):
+        for action in st.before:
+            reads, writes = _reads_writes(action)
+            need(i, action, reads)
+            known.update(writes)
+        for op in st.comm:
+            need(i, op, [op.send] if op.send is not None else [])
+            if op.op == "recv":
+                need(i, op, [op.recv])
+            elif op.recv is not None:
+                known.add(op.recv)
+        for action in (*st.run, *st.after):
+            reads, writes = _reads_writes(action)
+            need(i, action, reads)
+            known.update(writes)
+    return steps
 
 
 def _last_uses(steps: list[Step]) -> list[set[str]]:
@@ -372,15 +425,21 @@ def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf,
         if blocks is not None:
             kv = _slice(roles[action.kv], action.index, rt.rank)
             dkv = _slice(roles[action.dkv], action.dkv_index, rt.rank)
-            attend_backward(rt, roles["dout"], roles["q"], kv[0], kv[1], roles["out"], roles["lse"], blocks,
-                            roles["dq"], dkv[0], dkv[1])
+            out = None if action.out is None else roles[action.out]
+            delta = None if action.delta is None else roles[action.delta]
+            attend_backward(rt, roles[action.dout], roles[action.q], kv[0], kv[1], out, roles[action.lse], blocks,
+                            roles[action.dq], dkv[0], dkv[1], delta)
     elif isinstance(action, Zeros):
-        like = roles[action.like] if action.output else _tensor(roles, action.like)
+        like = roles[action.like]
         if action.output:
             roles[action.role] = Accumulators(like)
             return
-        shape = like.shape if action.count is None else (action.count, *like.shape)
-        roles[action.role] = torch.zeros(shape, dtype=acc_dtype(like.dtype), device=like.device)
+        shape = (len(like), *like[0].shape) if isinstance(like, tuple) else tuple(like.shape)
+        ref = like[0] if isinstance(like, tuple) else like
+        shape = shape if action.count is None else (action.count, *shape)
+        roles[action.role] = torch.zeros(shape, dtype=acc_dtype(ref.dtype), device=ref.device)
+    elif isinstance(action, Fold):
+        _fold(action, roles)
     elif isinstance(action, Add):
         if action.on is None or action.on == rt.rank:
             roles[action.into] += roles[action.src]
@@ -400,6 +459,29 @@ def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf,
             merge_into(acc.out, acc.lse, *merge_finish(roles[action.num], roles[action.den], roles[action.m]))
     else:
         raise TypeError(f"unknown action {action!r}")
+
+
+def _rows_of(item: str, value, span: tuple[int, int] | None):
+    """Sequence rows ``span`` of a partial result of ``item`` (a view; ``value`` itself for None)."""
+    if span is None:
+        return (value.out, value.lse) if isinstance(value, Accumulators) else value
+    sl = slice(*span)
+    if item == "o":
+        out, lse = (value.out, value.lse) if isinstance(value, Accumulators) else value
+        return out[:, sl], lse[:, :, sl]
+    return value[:, :, sl] if item == "dkv" else value[:, sl]
+
+
+def _fold(action: Fold, roles: dict[str, Any]) -> None:
+    value = _rows_of(action.item, roles[action.src], action.at)
+    if action.into not in roles:  # the first contribution becomes the partial result
+        roles[action.into] = value
+        return
+    target = _rows_of(action.item, roles[action.into], action.rows)
+    if action.item == "o":
+        merge_into(target[0], target[1], value[0], value[1])
+    else:
+        target.add_(value)
 
 
 def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: BlocksOf,
@@ -445,5 +527,5 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
     return roles
 
 
-__all__ = ["Accumulators", "BoundedCache", "Run", "Runtime", "attend", "attend_backward", "execute",
-           "new_accumulators"]
+__all__ = ["START_ROLES", "Accumulators", "BoundedCache", "Run", "Runtime", "attend", "attend_backward",
+           "check_program", "execute", "new_accumulators"]

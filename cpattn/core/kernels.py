@@ -37,6 +37,9 @@ Each call runs one named *kernel path* (:data:`PATHS`), chosen by the pure funct
 The CUDA op wrappers live in :mod:`cpattn.core.kernels_cuda`. A path whose op has no grouped-query support
 gets its key/value heads expanded (:func:`expand_kv`) and its dk/dv summed back over each group
 (:func:`reduce_kv_grad`), in float32.
+
+Why one module over 500 lines: it is the one kernel contract (style.md): the dispatch table,
+the paths and the checks every path shares.
 """
 
 from __future__ import annotations

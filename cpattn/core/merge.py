@@ -62,18 +62,3 @@ def merge_finish(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> tuple
     log_den = torch.log(den.squeeze(-1).transpose(1, 2))  # [b, h, s]; -inf where uncovered
     safe_m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     return final, log_den + safe_m
-
-
-def distributed_merge(out: torch.Tensor, lse: torch.Tensor, owner: int,
-                      comm) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Merge partials of one query block that live on every rank of ``comm`` onto ``owner`` (a group
-    rank): ``M = all_reduce_max(lse)``, then ``num`` and ``den`` (:func:`merge_weights`) reduce-summed
-    onto the owner, which gets ``(num / den, log(den) + M)`` (:func:`merge_finish`); other ranks get
-    None. Ranks that skipped the block pass ``lse = -inf`` and ``out = 0``. (The executor runs the same
-    pieces as steps, so a pipelined schedule computes while the reduces travel.)"""
-    m = lse.clone()
-    comm.all_reduce(m, op="max")
-    num, den = merge_weights(out, lse, m)
-    comm.reduce(num, dst=owner)
-    comm.reduce(den, dst=owner)
-    return merge_finish(num, den, m) if comm.rank == owner else None

@@ -61,7 +61,7 @@ class Interval:
 
 
 @dataclass(frozen=True)
-class Timeline:
+class Simulation:
     """``makespan`` (seconds), each task's ``start``/``end``, and each lane's intervals in time order."""
 
     makespan: float
@@ -99,7 +99,7 @@ def _validate(tasks: Sequence[Task], order: Mapping[str, Sequence[str]] | None) 
     return index
 
 
-def simulate(tasks: Sequence[Task], order: Mapping[str, Sequence[str]] | None = None) -> Timeline:
+def simulate(tasks: Sequence[Task], order: Mapping[str, Sequence[str]] | None = None) -> Simulation:
     """Schedule ``tasks`` (see the module docstring). Raises ValueError on unknown dependencies, bad
     durations, or a dependency/order cycle (naming tasks on it)."""
     index = _validate(tasks, order)
@@ -155,7 +155,7 @@ def simulate(tasks: Sequence[Task], order: Mapping[str, Sequence[str]] | None = 
     if len(start) < len(tasks):
         stuck = [t.name for t in tasks if t.name not in start]
         raise ValueError(f"tasks never became ready (a dependency or lane-order cycle): {', '.join(stuck[:10])}")
-    return Timeline(max(end.values(), default=0.0), start, end, lanes)
+    return Simulation(max(end.values(), default=0.0), start, end, lanes)
 
 
-__all__ = ["LANE_KINDS", "Interval", "Task", "Timeline", "compute", "lane", "simulate", "transfer"]
+__all__ = ["LANE_KINDS", "Interval", "Simulation", "Task", "compute", "lane", "simulate", "transfer"]

@@ -9,6 +9,9 @@ ranks wait on each other (a transfer's ``wait``): it holds the kernel calls each
 distribution: which :data:`Work` how many ranks do), the communication ops issued in it, and whether
 those ops overlap the step's compute. The cost model times a step by its busiest rank, so a step
 must not span a synchronisation point.
+
+Why one module over 500 lines: the whole vocabulary of a program (problem, work, ops,
+steps, actions and the accounting rule) is read together by schedules, the executor and the cost model.
 """
 
 from __future__ import annotations
@@ -370,10 +373,6 @@ class CommOp:
         kinds = ("send", "recv") if self.op == "sendrecv" else (self.op,)
         return {k: (1, *payload(k, self.bytes, size, rank, self.root)) for k in kinds}
 
-    @property
-    def needs_peer_rank(self) -> bool:
-        """A ``send`` or ``recv`` names the rank at its other end: it belongs to one rank's steps."""
-        return self.op in ("send", "recv")
 
 
 def group_size(group: str, world: int, topology=None) -> int:
@@ -431,22 +430,30 @@ class Attend:
 
 @dataclass(frozen=True)
 class AttendBack:
-    """Backward of :class:`Attend`: the blocks' gradients added into ``dq`` (role ``dq``) and into the
-    packed float32 key/value gradients of role ``dkv`` (``dkv_index``: its slice, as ``index`` is of
-    ``kv``)."""
+    """Backward of :class:`Attend`: the blocks' gradients added into role ``dq`` and into the packed
+    float32 key/value gradients of role ``dkv`` (``dkv_index``: its slice, as ``index`` is of ``kv``),
+    for the rows of roles ``q``, ``dout``, ``lse`` and their final ``out``, or, with ``out`` None,
+    their ``delta = rowsum(dout * out)`` (rows whose output lives on another rank)."""
 
     kv: str
     src: Hashable
     dkv: str
     index: int | str | None = None
     dkv_index: int | str | None = None
+    q: str = "q"
+    dout: str = "dout"
+    out: str | None = "out"
+    lse: str = "lse"
+    dq: str = "dq"
+    delta: str | None = None
 
 
 @dataclass(frozen=True)
 class Zeros:
-    """A new float32 (accumulation dtype) zero buffer ``role`` shaped like role ``like`` (with a leading
-    dimension of ``count`` when given); ``output``: output accumulators for queries like ``like``
-    (out 0, lse -inf; ``cpattn.core.executor.Accumulators``)."""
+    """A new float32 (accumulation dtype) zero buffer ``role`` shaped like role ``like`` (a pair of
+    tensors, as the start ``(k, v)``: like them packed; with a leading dimension of ``count`` when
+    given); ``output``: output accumulators for queries like ``like`` (out 0, lse -inf;
+    ``cpattn.core.executor.Accumulators``)."""
 
     role: str
     like: str
@@ -497,6 +504,20 @@ class Land:
 
 
 @dataclass(frozen=True)
+class Fold:
+    """Fold the partial result of role ``src`` (its sequence rows ``at``; None: all) into the
+    accumulator of role ``into`` (its rows ``rows``; None: all): ``item`` "o" an ``(out, lse)`` pair
+    (output accumulators or a pair) merged by its lse; "dq" ``[b, s, h, d]`` or "dkv" (packed ``[2, b,
+    s, h_kv, d]``) added. A ``into`` not made yet becomes the partial itself."""
+
+    item: str
+    src: str
+    into: str
+    rows: tuple[int, int] | None = None
+    at: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class Local:
     """``role dst = fn(role src)``: local work the schedule names and defines (e.g. Ulysses' packing for
     an exchange, ``ultra``'s kernel calls and merges; the ``transforms`` the executor is given), no
@@ -509,7 +530,7 @@ class Local:
     dst: str | None
 
 
-Action = Attend | AttendBack | Zeros | Add | LseMax | Weigh | Land | Local
+Action = Attend | AttendBack | Zeros | Add | LseMax | Weigh | Land | Fold | Local
 
 
 def distribution(works) -> tuple[tuple[Work, int], ...]:
@@ -519,6 +540,6 @@ def distribution(works) -> tuple[tuple[Work, int], ...]:
 
 
 __all__ = ["Action", "Add", "Attend", "AttendBack", "BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES",
-           "GROUPS", "Kernel", "Land", "Local", "LseMax", "OWN", "PHASES", "Problem", "Step", "TREE_OPS", "Weigh",
-           "Work", "Zeros", "area", "attention_flops", "distribution", "group_size", "payload", "split_phase", "wire",
-           "work"]
+           "Fold", "GROUPS", "Kernel", "Land", "Local", "LseMax", "OWN", "PHASES", "Problem", "Step", "TREE_OPS",
+           "Weigh", "Work", "Zeros", "area", "attention_flops", "distribution", "group_size", "payload",
+           "split_phase", "wire", "work"]

@@ -24,7 +24,7 @@ and either may be active without the other):
 - ``wait``: ``call``, ``t0`` (the wait starts), ``t1`` (it returns);
 - ``kernel``: ``phase``, ``kind``, ``q``, ``kv``, ``pieces`` (blocks of a stacked call), ``t0``, ``t1``:
   one event per kernel call, a stacked call included;
-- ``mark``: ``name``, ``t`` (:meth:`Timeline.mark`, e.g. where a step's backward begins).
+- ``mark``: ``name``, ``t`` (:meth:`Trace.mark`, e.g. where a step's backward begins).
 
 On a CUDA ``device`` each stamp is a ``torch.cuda.Event`` recorded on the current stream (no host
 synchronisation while the timeline runs); they are turned into the same nanosecond clock when the
@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-class Timeline:
+class Trace:
     """Wall-clock stamps of one process (see the module's docstring). ``origin``: the stamp taken when
     the timeline began, on the same clock as the events' (nanoseconds once the block has ended)."""
 
@@ -103,7 +103,7 @@ class _State:
     def __init__(self) -> None:
         self.events: list[dict] | None = None
         self.events_from = 0
-        self.timeline: Timeline | None = None
+        self.timeline: Trace | None = None
 
 
 _state: _State | None = None
@@ -138,12 +138,12 @@ def recording() -> Iterator[list[dict]]:
 
 
 @contextmanager
-def timeline(device=None) -> Iterator[Timeline]:
+def timeline(device=None) -> Iterator[Trace]:
     """Stamp issues, waits and kernel calls with wall time until the block ends (not re-entrant);
     ``device``: where the kernels run (a CUDA device: stamps are CUDA events, resolved at the end)."""
     if _state is not None and _state.timeline is not None:
         raise RuntimeError("cpattn.core.trace.timeline() is already active")
-    tl = Timeline(device)
+    tl = Trace(device)
     tl.first_call = _next_call
     st = _begin()
     st.timeline = tl
@@ -235,4 +235,4 @@ def computed(span: dict | None) -> None:
         span["t1"] = st.timeline.stamp()
 
 
-__all__ = ["Timeline", "active", "compute", "computed", "issue", "now", "recording", "timeline", "wait", "wait_start"]
+__all__ = ["Trace", "active", "compute", "computed", "issue", "now", "recording", "timeline", "wait", "wait_start"]

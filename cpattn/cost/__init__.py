@@ -11,7 +11,7 @@ calibrated ``local`` machine. Problems, steps, topologies and devices are core d
 """
 
 from ..core.pairs import PairWork, pair_work
-from ..core.simulator import Task, Timeline, lane, simulate, transfer
+from ..core.simulator import Simulation, Task, lane, simulate, transfer
 from ..core.steps import CommOp, Kernel, Problem, Step, Work, distribution, work
 from ..core.topology import Device, Link, RatePoint, Topology
 from . import presets
@@ -30,6 +30,6 @@ from .presets import preset
 from .profile import Profile, ProfileError
 
 __all__ = ["CommOp", "Device", "Estimate", "Kernel", "Link", "PairWork", "Problem", "Profile", "ProfileError",
-           "RatePoint", "Step", "Task", "Timeline", "Topology", "Work", "check_supports", "choose", "declares_steps",
+           "RatePoint", "Step", "Simulation", "Task", "Topology", "Work", "check_supports", "choose", "declares_steps",
            "default_candidates", "distribution", "estimable", "estimate", "lane", "op_time", "pair_work", "preset",
            "presets", "rank_schedules", "simulate", "transfer", "work"]

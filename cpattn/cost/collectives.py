@@ -59,11 +59,6 @@ FIXED_ALGORITHMS = {"all_gather": "ring", "reduce_scatter": "ring", "all_to_all"
                     "send": "p2p", "recv": "p2p"}
 
 
-def group_size(op: CommOp, topo: Topology) -> int:
-    """Ranks in ``op``'s group on ``topo``."""
-    return steps.group_size(op.group, topo.world, topo)
-
-
 def rails_per_nic(topo: Topology) -> int:
     """Rails (local device indices) sharing the busiest NIC of a node: devices_per_node / nics_per_node
     when they divide, from ``Topology.nic_of``."""
@@ -127,7 +122,7 @@ def op_times(op: CommOp, topo: Topology) -> tuple[float, float]:
 
 def op_time(op: CommOp, topo: Topology) -> float:
     """Seconds ``op`` takes on ``topo`` (every rank of its group takes part)."""
-    g = group_size(op, topo)
+    g = steps.group_size(op.group, topo.world, topo)
     if g == 1 or (op.bytes == 0 and op.op != "sendrecv"):
         return 0.0
     if op.hierarchical and op.group == "world" and topo.nodes > 1 and topo.devices_per_node > 1:
@@ -176,7 +171,7 @@ def algorithm(op: CommOp, topo: Topology) -> str:
     chosen = topo.algorithm_for(op.op)
     if chosen != "auto":
         return chosen
-    g = group_size(op, topo)
+    g = steps.group_size(op.group, topo.world, topo)
     if g == 1 or op.op != "all_reduce":
         return "ring"
     link = _link(op, topo)
@@ -207,5 +202,5 @@ def two_level_crossover(topo: Topology, op: str = "all_gather") -> float:
     return math.inf if per_byte <= 0 else saved / per_byte
 
 
-__all__ = ["FIXED_ALGORITHMS", "algorithm", "flat_vs_two_level", "group_size", "op_time", "op_times",
+__all__ = ["FIXED_ALGORITHMS", "algorithm", "flat_vs_two_level", "op_time", "op_times",
            "rails_per_nic", "two_level_crossover"]

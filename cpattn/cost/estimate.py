@@ -17,8 +17,8 @@ busiest rank's payload (``cpattn.core.comm`` units) from the steps' ops, and the
 ``collectives.algorithm`` resolves for each op); memory is the resident inputs and outputs plus the
 largest ``live_bytes`` of any step.
 
-A planned schedule (``ultra``) is estimated from its plan instead (:func:`plan_estimate`: the
-simulated makespan), built with ``cpattn.planner`` or read from the plan cache.
+A schedule that plans (``Schedule.make_plan``: ``ultra``) is estimated from its plan instead
+(:func:`plan_estimate`: what the plan predicts, ``cpattn.core.program.Prediction``).
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import planner, schedules
+from .. import schedules
 from ..core import memo
 from ..core.kernels import DTYPES
 from ..core.masks import CausalMask, FullMask, Mask
-from ..core.steps import CommOp, Problem, Step, split_phase, wire
+from ..core.program import Plan
+from ..core.steps import CommOp, Problem, Step, group_size, split_phase, wire
 from ..core.topology import Topology
 from ..schedules.base import Schedule
-from .collectives import algorithm, group_size, op_times
+from .collectives import algorithm, op_times
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class Estimate:
     forwarded; a tree all-reduce sends about 2 N per rank where the ring sends 2 (P-1) N / P.
     ``merge`` and ``launch``: the parts of ``compute`` spent in kernel epilogues (merging a block's
     result into the accumulators) and in per-call launch overheads (seconds; the rest of ``compute``
-    is the kernels' FLOPs at their rates); a planned schedule leaves them 0 (its compute lane
+    is the kernels' FLOPs at their rates); a schedule that plans leaves them 0 (its plan's compute
     includes its merges)."""
 
     total: float
@@ -91,65 +92,34 @@ def declares_steps(schedule: Schedule | str) -> bool:
 
 
 def estimable(schedule: Schedule | str) -> bool:
-    """Whether :func:`estimate` can predict ``schedule``: it declares ``steps`` or runs a plan."""
+    """Whether :func:`estimate` can predict ``schedule``: it declares ``steps`` or makes plans."""
     sched = _schedule(schedule)
-    return declares_steps(sched) or sched.planned
+    return declares_steps(sched) or sched.make_plan is not None
 
 
 def default_candidates(mask: Mask) -> list[str]:
     """The registered schedules "auto" estimates for ``mask``, in registry order: all of them, except
-    the ``planned`` ones (``ultra``) for the causal and full masks, where building a plan would add
-    seconds to every new problem size (tens of seconds at 64 ranks and 512K tokens) and the balanced
-    rings already spread the work evenly."""
+    those that plan (``ultra``) for the causal and full masks, where making a plan would add seconds
+    to every new problem size (tens of seconds at 64 ranks and 512K tokens) and the balanced rings
+    already spread the work evenly."""
     dense = isinstance(mask, (CausalMask, FullMask))
-    return [n for n in schedules.names() if not (dense and schedules.get(n).planned)]
+    return [n for n in schedules.names() if not (dense and schedules.get(n).make_plan is not None)]
 
 
-def plan_estimate(plan, problem: Problem, phase: str, name: str = "ultra") -> Estimate:
-    """The prediction of a ``cpattn.planner.Plan`` for ``problem``. Per phase: ``total``, the plan's
-    simulated makespan (seconds); ``compute``, the busiest rank's compute lane (kernels and merges);
-    ``comm``, the busiest rank's transfers (the busier of its send and receive lanes; a plan may also
-    wait on dependencies, so total can exceed compute + comm); ``bytes_per_rank``, the busiest
-    sender's bytes (as ``Plan.volume`` counts them); ``peak_memory``, the resident tensors plus
-    everything a rank receives and sends in the phase (its buffers live to the end of the phase)."""
-    sizes = plan.sizes(problem.batch, problem.heads, problem.kv_heads, problem.head_dim, problem.elem,
-                       problem.acc_elem)
+def plan_estimate(plan: Plan, problem: Problem, phase: str, name: str) -> Estimate:
+    """The estimate of a plan for ``problem``: per phase its :class:`~cpattn.core.program.Prediction`
+    (``total``: its makespan; ``compute`` and ``comm``: the busiest rank's; a plan may also wait on
+    dependencies, so total can exceed compute + comm), summed; ``peak_memory``: the resident tensors
+    plus the most buffers a rank holds. A plan's transfers are point-to-point: nothing is forwarded,
+    so the wire bytes are the payload."""
     total = compute = comm = 0.0
     sent = peak = 0
     for ph in split_phase(phase):
-        pp = plan.phase(ph)
-        total += pp.predicted
-        compute += max(_busy(ops, ("compute", "merge")) for ops in pp.ops)
-        comm += max(max(_busy(ops, ("send",)), _busy(ops, ("recv",))) for ops in pp.ops)
-        out, into = [0] * problem.world, [0] * problem.world
-        for t in pp.transfers:
-            out[t.src] += sizes.item_bytes(t.item)
-            into[t.dst] += sizes.item_bytes(t.item)
-        sent += max(out)
-        peak = max(peak, resident_bytes(problem, ph) + max(a + b for a, b in zip(out, into)))
+        p = plan.predict(problem, ph)
+        total, compute, comm, sent = total + p.total, compute + p.compute, comm + p.comm, sent + p.bytes_sent
+        peak = max(peak, resident_bytes(problem, ph) + p.buffer_bytes)
     return Estimate(total, compute, comm, total - compute, sent, peak, name, phase, problem.flops(phase),
-                    wire_bytes_per_rank=sent)  # a plan's transfers are point-to-point: nothing is forwarded
-
-
-def _busy(ops, kinds: tuple[str, ...]) -> float:
-    """Seconds a rank's operations of ``kinds`` take in its plan (they share one lane, so they add)."""
-    return sum(op.end - op.start for op in ops if op.kind in kinds)
-
-
-def _planned(sched: Schedule, problem: Problem, topology: Topology, phase: str) -> Estimate:
-    """A planned schedule's estimate: its plan for ``problem`` on ``topology`` with its options, on the
-    owner map it would choose (planned, or read from the plan cache; the planner is deterministic)."""
-    return memo.cached(("planned estimate", sched, problem, topology, phase),
-                       lambda: _planned_uncached(sched, problem, topology, phase))
-
-
-def _planned_uncached(sched: Schedule, problem: Problem, topology: Topology, phase: str) -> Estimate:
-    options = sched.plan_options
-    order = planner.choose_order(problem.mask, problem.padded_len, problem.world, valid_len=problem.seq_len,
-                                 options=options)
-    req = planner.request(problem.mask, problem.padded_len, topology, problem.batch, problem.heads, problem.kv_heads,
-                          problem.head_dim, problem.dtype, options, problem.seq_len, order)
-    return plan_estimate(planner.get_plan(req), problem, phase, sched.name)
+                    wire_bytes_per_rank=sent)
 
 
 
@@ -169,7 +139,7 @@ def busiest_bytes_sent(steps: list[Step], topology: Topology) -> int:
     extra: dict[int, int] = defaultdict(int)
     for st in steps:
         for op in st.comm:
-            size = group_size(op, topology)
+            size = group_size(op.group, topology.world, topology)
             other = sum(v[1] for v in op.accounting(-1, size).values())  # a rank that is not the root
             base += other
             if op.op in ("broadcast", "reduce"):
@@ -193,7 +163,7 @@ def busiest_wire_sent(steps: list[Step], topology: Topology) -> int:
 def wire_by_rank(op: CommOp, topology: Topology) -> np.ndarray:
     """``[world]`` bytes each rank sends on the wire for ``op`` (every node runs a "node" op, every
     rail a "rail" op)."""
-    g = group_size(op, topology)
+    g = group_size(op.group, topology.world, topology)
     kinds = ("send", "recv") if op.op == "sendrecv" else (op.op,)
     by_group_rank = np.roll(_wire_from_root_0(kinds, op.bytes, g, algorithm(op, topology)), op.root)
     if op.group == "node":
@@ -216,10 +186,11 @@ def _wire_from_root_0(kinds: tuple[str, ...], nbytes: int, size: int, algo: str)
 
 @memo.scoped
 def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
-             phase: str = "forward+backward") -> Estimate:
+             phase: str = "forward+backward", plan: Plan | None = None) -> Estimate:
     """Predict ``schedule`` (a name or a Schedule) on ``problem`` over ``topology`` for ``phase``
-    ("forward", "backward" or "forward+backward"): its steps on ``topology``, timed; a planned schedule
-    (``ultra``) from its plan (:func:`plan_estimate`). Raises NotImplementedError when the schedule has
+    ("forward", "backward" or "forward+backward"): its steps on ``topology``, timed; a schedule that
+    plans from its plan (:func:`plan_estimate`: ``plan``, else the one it makes, kept in the active
+    memo scope; making a plan is deterministic). Raises NotImplementedError when the schedule has
     neither, ValueError when it cannot run the problem."""
     sched = _schedule(schedule)
     if not estimable(sched):
@@ -232,8 +203,10 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
     sched.check_mask(problem.mask)
     problem.layout_or(sched.layout_for(problem.mask)).check(problem.padded_len, problem.world)
     split_phase(phase)
-    if sched.planned:
-        return _planned(sched, problem, topology, phase)
+    if sched.make_plan is not None:
+        if plan is None:
+            plan = memo.cached(("plan", sched, problem, topology), lambda: sched.make_plan(problem, topology))
+        return plan_estimate(plan, problem, phase, sched.name)
     device = topology.device
     times: dict = {}
     total = compute = comm = merge = launch = 0.0

@@ -15,12 +15,15 @@ die, or a CPU profile, is refused.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, replace
 
 from ..core.topology import GENERIC_DEVICE, GENERIC_INTRA, Device, Link, Topology
-from .profile import Profile, load_default, shipped
+from .profile import Profile, ProfileError, load_default, shipped
+
+log = logging.getLogger(__name__)
 
 #: what a preset's device name says about its attention rates when no measured profile priced them
 ASSUMED_RATES = "rates: data sheet / paper assumption"
@@ -195,6 +198,16 @@ def _nodes(name: str, world: int, per_node: int) -> tuple[int, int]:
 LOCAL_ALGORITHM = "all_reduce:ring;broadcast:tree;reduce:tree"
 
 
+def this_machine(world: int, who: str) -> Topology:
+    """This machine as one node of ``world`` ranks: its calibration profile's figures (the ``local``
+    preset), or conservative defaults, with a warning naming ``who`` when the profile cannot be read."""
+    try:
+        return preset("local", world)
+    except ProfileError as exc:
+        log.warning("%s: ignoring the calibration profile (%s); using conservative defaults", who, exc)
+        return local(world)
+
+
 def local(world: int, profile: Profile | None = None, threads_per_rank: int | None = None,
           cores: int | None = None, nodes: int = 1) -> Topology:
     """``world`` ranks on this machine, from ``profile`` (or the conservative defaults without one).
@@ -282,4 +295,4 @@ def preset(name: str, world: int, profile: Profile | None = None, algorithm: str
 __all__ = ["ASSUMED_RATES", "DATA_SHEETS", "DEFAULT_MATMUL_EFFICIENCY", "DEFAULT_PROFILES", "DGX_A100", "DGX_H100",
            "DGX_H200", "FRONTIER", "FRONTIER_ATTENTION_EFFICIENCY", "GPU_MODELS", "LOCAL_DEFAULT_DEVICE",
            "MATMUL_EFFICIENCY", "MATMUL_PEAK", "NAMES", "PRESETS", "PRESET_GPUS", "GpuModel", "gpu_model", "local",
-           "measured_device", "preset"]
+           "measured_device", "preset", "this_machine"]

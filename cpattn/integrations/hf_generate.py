@@ -40,7 +40,7 @@ from ..api import ContextParallel
 from ..core.masks import CausalMask
 from ..core.masks import document as document_mask
 from ..inference import KVCache
-from . import hf
+from . import hf_common
 
 #: keyword arguments of :func:`generate` that are cpattn's own (the rest go to transformers' generation config)
 OWN_KWARGS = ("attention_mask", "past_key_values", "seed", "merge", "extend", "generation_config", "logits_processor",
@@ -113,7 +113,7 @@ class _Step:
         if self.cp is None:  # decoding: one new token per row, replicated
             return self.kv.decode_attention(layer, q, scaling, window=window, sinks=sinks, softcap=softcap)
         is_causal = kwargs.get("is_causal")
-        cp = hf._layer_context(self.cp, module, getattr(module, "is_causal", True) if is_causal is None
+        cp = hf_common.layer_context(self.cp, module, getattr(module, "is_causal", True) if is_causal is None
                                else bool(is_causal), window)
         return self.kv.extend_attention(layer, cp, q, key.transpose(1, 2), value.transpose(1, 2), scaling,
                                         window=window, sinks=sinks, softcap=softcap)
@@ -121,11 +121,11 @@ class _Step:
 
 @contextlib.contextmanager
 def _attending_cache(step: _Step | None) -> Iterator[None]:
-    token = hf._GENERATION.set(step)
+    token = hf_common.GENERATION.set(step)
     try:
         yield
     finally:
-        hf._GENERATION.reset(token)
+        hf_common.GENERATION.reset(token)
 
 
 def _digest(t: torch.Tensor | None) -> str:
@@ -212,8 +212,9 @@ class _Generation:
             raise ValueError(f"hf.generate needs a ContextParallel with mask='causal' (got {self.base.mask.name!r}); "
                              "each layer's window comes from the model")
         config = getattr(model, "config", None)
-        if getattr(config, "_attn_implementation", None) != hf.NAME:
-            raise ValueError(f"hf.generate: build the model with attn_implementation={hf.NAME!r} (after hf.register())")
+        if getattr(config, "_attn_implementation", None) != hf_common.NAME:
+            raise ValueError(f"hf.generate: build the model with attn_implementation={hf_common.NAME!r} "
+                             "(after hf.register())")
         if getattr(config, "is_encoder_decoder", False):
             raise NotImplementedError("hf.generate: encoder-decoder models are not supported")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
@@ -355,7 +356,7 @@ class _Generation:
         ends = torch.tensor(kv.row_lengths())
         real = placement.rows >= 0
         last = (real & (placement.positions == ends[placement.rows.clamp(min=0)] - 1)).nonzero().flatten()
-        with hf.use(cp), _attending_cache(None if fresh else _Step(kv, cp)):
+        with hf_common.use(cp), _attending_cache(None if fresh else _Step(kv, cp)):
             out = self.model(input_ids=local_ids, position_ids=placement.positions[None].to(input_ids.device),
                              past_key_values=cache, use_cache=True, logits_to_keep=last.to(input_ids.device))
         for b, t in enumerate(new):
@@ -368,7 +369,7 @@ class _Generation:
     def _decode(self, cache: ShardedCache, cp: ContextParallel, tokens: torch.Tensor) -> torch.Tensor:
         """One new token per row (every rank): its logits ``[rows, vocab]`` (float32)."""
         placement = cache.kv.place_decode()
-        with hf.use(cp), _attending_cache(_Step(cache.kv, None)):
+        with hf_common.use(cp), _attending_cache(_Step(cache.kv, None)):
             out = self.model(input_ids=tokens[:, None], position_ids=placement.positions[:, None].to(tokens.device),
                              past_key_values=cache, use_cache=True)
         for b in range(tokens.shape[0]):

@@ -40,7 +40,7 @@ from ..core import masks as masks_mod
 from ..core.memo import BoundedCache
 from ..schedules import Schedule
 from ..schedules import resolve as resolve_schedule
-from . import hf
+from . import hf_common
 
 #: ContextParallel objects kept, one per sequence length met (each costs one small exchange to build)
 CONTEXTS_KEPT = 8
@@ -75,7 +75,7 @@ class Trainer(transformers.Trainer):
         if cp_schedule != "auto":
             resolve_schedule(cp_schedule).check_mask(self.cp_mask)
         self.cp_schedule = cp_schedule
-        hf.register()
+        hf_common.register()
         super().__init__(*args, **kwargs)
         self._check_setup()
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
@@ -91,8 +91,8 @@ class Trainer(transformers.Trainer):
         gradient than the model trained on the whole sequences by one process."""
         config = getattr(self.model, "config", None)
         impl = getattr(config, "_attn_implementation", None)
-        if config is not None and impl != hf.NAME:
-            raise ValueError(f"hf.Trainer needs a model built with attn_implementation={hf.NAME!r} (after "
+        if config is not None and impl != hf_common.NAME:
+            raise ValueError(f"hf.Trainer needs a model built with attn_implementation={hf_common.NAME!r} (after "
                              f"cpattn.integrations.hf.register()), got {impl!r}: its attention would see this "
                              "rank's tokens only")
         if self.accelerator.num_processes % self.cp_size:
@@ -185,25 +185,25 @@ class Trainer(transformers.Trainer):
         positions = inputs.get("position_ids")
         if positions is not None and not bool((positions == torch.arange(tokens.shape[1],
                                                                           device=positions.device)).all()):
-            cp, packed = hf.packed(cp, inputs)  # documents: the step's view of cp, with their document mask
+            cp, packed = hf_common.packed(cp, inputs)  # documents: the step's view of cp, with their document mask
             inputs.update(packed)
             positions = cp.shard(packed["position_ids"], dim=1)
         else:
             positions = cp.positions()[None]
         if inputs.get("labels") is not None and self._loss_shifts_labels and "shift_labels" not in inputs:
-            inputs["shift_labels"] = hf.shift_labels(inputs["labels"])
+            inputs["shift_labels"] = hf_common.shift_labels(inputs["labels"])
         for key in PER_TOKEN:
             if isinstance(inputs.get(key), torch.Tensor):
                 inputs[key] = cp.shard(inputs[key], dim=1)
         padding = cp.positions().to(tokens.device) < 0
         for key in ("labels", "shift_labels"):
             if key in inputs and inputs[key] is not None:
-                inputs[key] = inputs[key].masked_fill(padding, hf.IGNORE_INDEX)
+                inputs[key] = inputs[key].masked_fill(padding, hf_common.IGNORE_INDEX)
         inputs["position_ids"] = positions.to(tokens.device)
         if hasattr(getattr(self.model, "config", None), "use_cache"):
             inputs.setdefault("use_cache", False)  # no key/value cache of a whole sequence in training
         self._step_cp = cp
-        return functools.partial(hf.use, cp), inputs
+        return functools.partial(hf_common.use, cp), inputs
 
     # ------------------------------------------------------------------ evaluation
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool,

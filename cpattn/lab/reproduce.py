@@ -114,26 +114,25 @@ class Case:
                 "notes": dict(self.notes)}
 
 
-def estimate_case(problem: Problem, topology: Topology, names: Iterable[str], phase: str = "forward+backward",
-                  estimator: Callable[[str], object] | None = None,
+def estimate_case(problem: Problem, topology: Topology, names: Iterable[str | object], phase: str = "forward+backward",
                   progress: Callable[[str], None] | None = None) -> Case:
-    """Estimate every schedule of ``names`` on ``problem`` over ``topology``; those that cannot run it get
-    a note instead (``check_supports``/``estimate`` refuse with ValueError, TypeError or
-    NotImplementedError). ``estimator(name)``: what to pass to :func:`estimate` for ``name`` (a
-    Schedule with options, e.g. planner settings); default the name itself. ``progress(name)`` is
-    called before each estimate."""
+    """Estimate every schedule of ``names`` (a name, or a Schedule with options, e.g. planner settings,
+    kept under its name) on ``problem`` over ``topology``; those that cannot run it get a note instead
+    (``check_supports``/``estimate`` refuse with ValueError, TypeError or NotImplementedError).
+    ``progress(name)`` is called before each estimate."""
     import time
 
     ests: dict[str, Estimate] = {}
     notes: dict[str, str] = {}
     seconds: dict[str, float] = {}
-    for name in names:
+    for sched in names:
+        name = sched if isinstance(sched, str) else sched.name
         if progress is not None:
             progress(name)
         start = time.perf_counter()
         try:
-            check_supports(name, problem)
-            ests[name] = estimate(estimator(name) if estimator else name, problem, topology, phase)
+            check_supports(sched, problem)
+            ests[name] = estimate(sched, problem, topology, phase)
         except (ValueError, TypeError, NotImplementedError) as exc:
             notes[name] = str(exc)
         seconds[name] = time.perf_counter() - start
@@ -320,8 +319,7 @@ def ultra_case(pattern: str, seq_len: int, gpus: int, heads: int = 32, kv_heads:
     schedule to estimate under that name (a Schedule with planner options, or the name); ``progress``: as
     for :func:`estimate_case`."""
     problem = Problem(seq_len, gpus, ultra_pattern(pattern, seq_len), 1, heads, kv_heads, head_dim, dtype)
-    return estimate_case(problem, preset(topology, gpus), [*baselines, "ultra"], phase,
-                         estimator=lambda n: ultra if n == "ultra" else n, progress=progress)
+    return estimate_case(problem, preset(topology, gpus), [*baselines, ultra], phase, progress=progress)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ block table at the chosen granularity, node- and device-level placement
 fastest, routing and the kernel graph (:mod:`~cpattn.planner.kernel_graph`), the schedule
 (:mod:`~cpattn.planner.schedule_ilp`), then each rank's ordered operations with their dependencies
 — separately for forward and backward (same ownership, possibly different placements) — and checks
-the result (:func:`~cpattn.planner.validate.validate`). :func:`choose_order` picks the owner map.
+the result (:func:`~cpattn.planner.model.validate`). :func:`choose_order` picks the owner map.
 
 Granularity. ``chunks_per_rank`` c (chunks of ``seq_len / (world * c)`` tokens) goes through powers
 of two (up to ``max_chunks_per_rank`` and ``max_chunks`` in all, chunks of at least
@@ -31,20 +31,19 @@ from dataclasses import asdict, dataclass
 
 from ..core.layout import check_order
 from ..core.masks import Mask, resolve
-from ..core.simulator import Timeline, simulate
+from ..core.simulator import Simulation, simulate
 from ..core.steps import DTYPE_BYTES, Problem
 from ..core.topology import Topology
-from ..schedules.ultra import Sizes
 from . import block_table as bt
 from .block_table import BlockTable
 from .kernel_graph import OUTPUTS, PHASES, KernelGraph
 from .kernel_graph import build as build_graph
-from .model import OP_KINDS, Op, PhasePlan, Plan, PlanOptions
+from .messages import Sizes
+from .model import OP_KINDS, Op, PhasePlan, Plan, PlanOptions, validate
 from .partition_ilp import MessageUnits, PartitionProblem, load_bound
 from .pricing import Pricing
 from .schedule_ilp import Scheduled, schedule
 from .tiling import allocate, fuse_all, owners
-from .validate import validate
 
 
 def _topology_digest(topology: Topology) -> str:
@@ -261,7 +260,7 @@ def _check_order(order, seq_len: int, world: int) -> tuple[int, ...] | None:
     return None if order == tuple(range(len(order))) else order
 
 
-def _ops(graph: KernelGraph, timeline: Timeline, world: int) -> tuple[tuple[Op, ...], ...]:
+def _ops(graph: KernelGraph, timeline: Simulation, world: int) -> tuple[tuple[Op, ...], ...]:
     """Each rank's operations in the order it issues them. Kernels and merges go at their predicted
     start; a transfer is posted, on both its ranks, as soon as what it carries is ready (the end of its
     last dependency), not at the start the scheduler gave it: the scheduler only places work on the

@@ -15,33 +15,11 @@ import os
 from pathlib import Path
 
 from .build import Request, build_plan
-from .model import SCHEMA, SCHEMA_VERSION, Plan
+from .model import Plan, PlanVersionError
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "CPATTN_CACHE_DIR"
-
-
-class PlanVersionError(ValueError):
-    """A plan file written in another format version than this cpattn reads (``found``, ``expected``)."""
-
-    def __init__(self, path: str | Path, found: int, expected: int = SCHEMA_VERSION) -> None:
-        self.path, self.found, self.expected = str(path), found, expected
-        super().__init__(f"plan {path} has format version {found}, this cpattn reads version {expected}: "
-                         "delete the file, or write it again with this cpattn (`cpattn plan ... --json PATH`)")
-
-
-def _format_version(text: str) -> int | None:
-    """The ``version`` of a JSON object that says it is a plan; None for anything else (then the full
-    check of :meth:`Plan.from_json` says what is wrong)."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        return None
-    version = data.get("version")
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
 
 
 def cache_dir() -> Path:
@@ -59,11 +37,10 @@ def load_plan(path: str | Path) -> Plan:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read plan {path}: {exc}") from exc
-    found = _format_version(text)
-    if found is not None and found != SCHEMA_VERSION:
-        raise PlanVersionError(path, found)
     try:
         return Plan.from_json(text)
+    except PlanVersionError as exc:
+        raise PlanVersionError(path, exc.found) from None
     except ValueError as exc:
         raise ValueError(f"plan {path} is invalid: {exc}") from exc
 

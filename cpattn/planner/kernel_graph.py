@@ -3,7 +3,7 @@ transfers of chunks between devices, merges of partial results, and the dependen
 as :class:`cpattn.core.simulator.Task` so the cost model times and simulates it.
 
 Items that travel (one message each, ``chunk`` tokens of one chunk) and their sizes are the
-executor's table, :data:`cpattn.schedules.ultra.ITEMS`: q, kv (packed), o (partial output and lse),
+message table, :data:`cpattn.planner.messages.ITEMS`: q, kv (packed), o (partial output and lse),
 qb (the final lse, D = rowsum(dout * out), q and dout), dq and dkv (partial gradients).
 
 Routing. A device that computes a cell of row i needs row i's input item; one that produced a partial
@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 
 from ..core.simulator import Task, compute, transfer
 from ..core.topology import Topology
-from ..schedules.ultra import ITEMS, Sizes
 from .block_table import BlockTable
+from .messages import ITEMS, Sizes
 from .pricing import Pricing
-from .tiling import Kernel
+from .tiling import TileKernel
 
 PHASES = ("forward", "backward")
 
@@ -59,16 +59,16 @@ class KernelGraph:
     """One phase's kernels, transfers and timed tasks (``tasks`` named as in the module docstring)."""
 
     phase: str
-    kernels: tuple[Kernel, ...]
+    kernels: tuple[TileKernel, ...]
     transfers: tuple[Transfer, ...]
     tasks: tuple[Task, ...]
 
 
-def _chunks(kernel: Kernel, axis: str) -> tuple[int, ...]:
+def _chunks(kernel: TileKernel, axis: str) -> tuple[int, ...]:
     return kernel.rows if axis == "rows" else kernel.cols
 
 
-def route(phase: str, kernels: list[Kernel] | tuple[Kernel, ...], owner: list[int],
+def route(phase: str, kernels: list[TileKernel] | tuple[TileKernel, ...], owner: list[int],
           topology: Topology) -> list[Transfer]:
     """Every transfer of ``phase`` for ``kernels`` (see "Routing" in the module docstring), inputs
     first, in a deterministic order."""
@@ -109,7 +109,7 @@ def route(phase: str, kernels: list[Kernel] | tuple[Kernel, ...], owner: list[in
                                       t.item, t.chunk, t.src, t.dst))
 
 
-def dependencies(phase: str, kernels: list[Kernel] | tuple[Kernel, ...],
+def dependencies(phase: str, kernels: list[TileKernel] | tuple[TileKernel, ...],
                  transfers: list[Transfer] | tuple[Transfer, ...], owner: list[int]) -> dict[str, tuple[str, ...]]:
     """Task name -> the task names it waits for (``c{k}``, ``t{n}``, ``m{n}``). Raises ValueError when
     an input never reaches a device that needs it, or arrives twice."""
@@ -156,7 +156,7 @@ def dependencies(phase: str, kernels: list[Kernel] | tuple[Kernel, ...],
     return deps
 
 
-def build(phase: str, table: BlockTable, kernels: list[Kernel], owner: list[int], topology: Topology,
+def build(phase: str, table: BlockTable, kernels: list[TileKernel], owner: list[int], topology: Topology,
           sizes: Sizes, pricing: Pricing) -> KernelGraph:
     """The timed kernel graph of ``phase`` for ``kernels`` on ``topology`` (kernel times from
     ``pricing``, the cost model's, as the executor runs each kernel)."""

@@ -15,8 +15,7 @@ from __future__ import annotations
 from ..core import blocks
 from ..core.layout import source_ranges
 from ..core.masks import Mask
-from ..core.steps import Kernel as CostKernel
-from ..core.steps import Problem
+from ..core.steps import Kernel, Problem
 from ..core.topology import Device
 from .block_table import BlockTable
 
@@ -34,7 +33,7 @@ class Pricing:
         #: ``&`` / ``|``) the executor halves a PARTIAL cell into dense masked tiles, about what one
         #: masked rectangle costs, and classifying those tiles would cost the planner O(cell area)
         self.structured = type(mask).cover is not Mask.cover
-        self._covers: dict[tuple[int, int, int], tuple[list[CostKernel], int]] = {}
+        self._covers: dict[tuple[int, int, int], tuple[list[Kernel], int]] = {}
         self._seconds: dict[tuple[int, int, int, str], float] = {}
 
     def seconds(self, table: BlockTable, kind: str, rows: tuple[int, ...], cols: tuple[int, ...],
@@ -47,7 +46,7 @@ class Pricing:
                 return self.cell(table.chunk, rows[0], cols[0], phase)
         c = table.chunk
         area = sum(table.area[i * table.n + j] for i in rows for j in cols)
-        return self.device.kernel_time(CostKernel(kind, len(rows) * c, len(cols) * c, area), self.problem, phase)
+        return self.device.kernel_time(Kernel(kind, len(rows) * c, len(cols) * c, area), self.problem, phase)
 
     def cell(self, chunk: int, i: int, j: int, phase: str) -> float:
         """The cover of cell (i, j) of a table of ``chunk``-token chunks: every piece's kernel time, less
@@ -59,13 +58,13 @@ class Pricing:
                                   - self.device.launch * (len(pieces) - calls))
         return self._seconds[key]
 
-    def _cover(self, chunk: int, i: int, j: int) -> tuple[list[CostKernel], int]:
+    def _cover(self, chunk: int, i: int, j: int) -> tuple[list[Kernel], int]:
         """The cover of cell (i, j) as kernels (shapes and pair counts, no masks) and its stacked calls."""
         if (chunk, i, j) not in self._covers:
             rows = source_ranges(i, chunk, self.seq_len, self.order)
             cols = source_ranges(j, chunk, self.seq_len, self.order)
             cover = blocks.rectangles(self.mask, rows, cols, self.valid_len, dense=False)
-            pieces = [CostKernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area) for b in cover]
+            pieces = [Kernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area) for b in cover]
             self._covers[(chunk, i, j)] = (pieces, len(blocks.batches(cover)))
         return self._covers[(chunk, i, j)]
 

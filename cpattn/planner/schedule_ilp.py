@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..core.simulator import Task, Timeline, simulate
+from ..core.simulator import Simulation, Task, simulate
 from .partition_ilp import deterministic_solver
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class Scheduled:
     """A schedule: the simulated ``timeline`` (seconds), ``method`` ("cp-sat" or "greedy"), the
     solver ``status``, the greedy makespan for comparison and the time spent (seconds)."""
 
-    timeline: Timeline
+    timeline: Simulation
     method: str
     status: str
     greedy_makespan: float
@@ -43,12 +43,12 @@ class Scheduled:
                 "greedy_makespan": self.greedy_makespan, "seconds": round(self.seconds, 3)}
 
 
-def lane_order(timeline: Timeline) -> dict[str, list[str]]:
+def lane_order(timeline: Simulation) -> dict[str, list[str]]:
     """Each lane's tasks in start order."""
     return {ln: [iv.task for iv in ivs] for ln, ivs in timeline.lanes.items()}
 
 
-def _cpsat_order(tasks: Sequence[Task], greedy: Timeline, time_limit: float,
+def _cpsat_order(tasks: Sequence[Task], greedy: Simulation, time_limit: float,
                  seed: int) -> tuple[dict[str, list[str]] | None, str]:
     try:
         from ortools.sat.python import cp_model

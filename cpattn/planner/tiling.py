@@ -33,7 +33,7 @@ from .partition_ilp import MessageUnits, Partition, PartitionProblem, greedy, lo
 
 
 @dataclass(frozen=True)
-class Kernel:
+class TileKernel:
     """One kernel call on ``device``: query chunks ``rows`` against key chunks ``cols`` (ascending),
     of ``kind`` "full", "causal" (one causal cell, or a causal square on the diagonal) or "partial"
     (one cell)."""
@@ -237,11 +237,11 @@ def _cut(h: int, w: int, max_cells: int) -> tuple[int, int]:
     return best[2], best[0] // best[2]
 
 
-def fuse(table: BlockTable, assign: dict[tuple[int, int], int], device: int, max_cells: int) -> list[Kernel]:
+def fuse(table: BlockTable, assign: dict[tuple[int, int], int], device: int, max_cells: int) -> list[TileKernel]:
     """Kernel calls of ``device`` for its cells in ``assign`` (see the module docstring)."""
     on = {cell for cell, g in assign.items() if g == device}
     left = set(on)
-    kernels: list[Kernel] = []
+    kernels: list[TileKernel] = []
     # causal squares along the diagonal
     diag = sorted(i for i, j in on if i == j and table.kind(i, i) == "causal")
     k = 0
@@ -251,7 +251,7 @@ def fuse(table: BlockTable, assign: dict[tuple[int, int], int], device: int, max
                and _causal_square_ok(table, on, a, b + 1)):
             b += 1
         square = tuple(range(a, b))
-        kernels.append(Kernel(device, square, square, "causal"))
+        kernels.append(TileKernel(device, square, square, "causal"))
         left -= {(i, j) for i in square for j in square}
         k += b - a
     # rectangles of FULL cells, largest first
@@ -263,14 +263,14 @@ def fuse(table: BlockTable, assign: dict[tuple[int, int], int], device: int, max
         _, r0, r1, c0, c1 = _max_rectangle(grid)
         hh, ww = _cut(r1 - r0, c1 - c0, max_cells)
         rect_rows, rect_cols = tuple(rows[r0:r0 + hh]), tuple(cols[c0:c0 + ww])
-        kernels.append(Kernel(device, rect_rows, rect_cols, "full"))
+        kernels.append(TileKernel(device, rect_rows, rect_cols, "full"))
         full -= {(i, j) for i in rect_rows for j in rect_cols}
         left -= {(i, j) for i in rect_rows for j in rect_cols}
     for i, j in sorted(left):
-        kernels.append(Kernel(device, (i,), (j,), table.kind(i, j)))
+        kernels.append(TileKernel(device, (i,), (j,), table.kind(i, j)))
     return sorted(kernels, key=lambda kn: (kn.rows, kn.cols))
 
 
-def fuse_all(table: BlockTable, assign: dict[tuple[int, int], int], world: int, max_cells: int) -> list[Kernel]:
+def fuse_all(table: BlockTable, assign: dict[tuple[int, int], int], world: int, max_cells: int) -> list[TileKernel]:
     """:func:`fuse` on every rank, in rank order."""
     return [kn for g in range(world) for kn in fuse(table, assign, g, max_cells)]

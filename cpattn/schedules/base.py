@@ -1,10 +1,12 @@
 """What every schedule shares: the runtime it runs in, its declared properties, the autograd glue.
 
 A schedule is one algorithm (one file in this package). It declares its layout, which masks it
-accepts and its memory class; implements ``forward`` and ``backward`` from the kernels, the merge and
-the communicator; and describes what it does in ``steps(problem, phase, topology)`` (``cpattn.core.steps``),
-the one description of its traffic and work: its byte counts (:meth:`Schedule.volume`) are derived
-from it here, the cost model times it, and the recording tests check the runtime against it.
+accepts and its memory class, and its program: ``steps(problem, phase, topology)``
+(``cpattn.core.steps``), the one description of its traffic and work, which the one executor runs
+(:meth:`Schedule.forward` and :meth:`Schedule.backward` are the same for every schedule), the cost
+model times, and the recording tests hold the run to; its byte counts (:meth:`Schedule.volume`) are
+derived from it here. A schedule that plans (``ultra``) makes a plan (:attr:`Schedule.make_plan`)
+and compiles each rank's steps from it (:meth:`Schedule.program`).
 
 A schedule object is stateless: its options (``USP(ulysses_degree=2)``, ``Ultra(options)``) are fixed
 at construction, and caches (block lists, plans) belong to the ``ContextParallel`` that runs it.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from functools import partial
 from typing import Any
 
@@ -24,11 +26,23 @@ import torch
 
 from ..core import blocks as blocks_mod
 from ..core import memo
-from ..core.executor import Accumulators, Run, Runtime, attend, attend_backward, execute, new_accumulators
+from ..core.executor import (
+    START_ROLES,
+    Accumulators,
+    Run,
+    Runtime,
+    attend,
+    attend_backward,
+    check_program,
+    execute,
+    new_accumulators,
+)
 from ..core.kernels import acc_dtype
+from ..core.layout import Layout
 from ..core.masks import BlockKind, Mask
 from ..core.merge import sink_grad, with_sinks
 from ..core.pairs import PairWork, pair_work
+from ..core.program import Plan
 from ..core.steps import PHASES, Problem, Step, group_size
 from ..core.topology import Topology
 
@@ -36,7 +50,8 @@ Volume = dict[str, dict[str, dict[str, int]]]  # phase -> op -> {"calls", "bytes
 
 
 class Schedule:
-    """Base class. Subclasses set the class attributes and implement forward, backward and steps.
+    """Base class. Subclasses set the class attributes and implement :meth:`steps` (or, planning,
+    :attr:`make_plan`, :meth:`read_plan` and :meth:`program`).
 
     A schedule with options is a frozen dataclass (``USP(ulysses_degree=2)``); two schedules are equal
     when their class and options are, so they key caches by value."""
@@ -54,10 +69,6 @@ class Schedule:
     #: step's lengths) rather than on the schedule's own layout: for schedules whose work per rank follows
     #: the layout, and whose own layout is not what they are (zigzag_ring's zigzag, ulysses' head split)
     balances_documents: bool = False
-    #: runs a plan (``Runtime.plan``) built by ``cpattn.planner`` instead of declaring ``steps``: its traffic
-    #: and estimate come from the plan. Building one takes from under a second to tens of seconds, so
-    #: "auto" considers planned schedules only for masks other than causal and full.
-    planned: bool = False
     #: its collectives run in two levels (rails, then node) when the runtime has a two-level topology, so
     #: ``ContextParallel`` sets up the rail and node groups at construction
     hierarchical: bool = False
@@ -98,9 +109,9 @@ class Schedule:
         return self.layout
 
     def check_mask(self, mask: Mask) -> None:
-        """Raise before any communication if this schedule cannot run ``mask`` exactly."""
+        """Raise ``ValueError`` before any communication if this schedule cannot run ``mask`` exactly."""
         if self.masks != "any" and mask.name not in self.masks:
-            raise NotImplementedError(
+            raise ValueError(
                 f"schedule {self.name!r} supports masks {', '.join(self.masks)}, not {mask.name!r}")
         if mask.is_causal and not self.causal:
             raise ValueError(f"schedule {self.name!r} is bidirectional-only and cannot run the causal mask "
@@ -113,44 +124,94 @@ class Schedule:
         """Schedule-specific shape requirements (e.g. heads divisible by the world). Default: none."""
 
     # ------------------------------------------------------------------ the algorithm
+    #: roles a forward program leaves for the backward, each with the role the backward program starts
+    #: it as (Ulysses keeps its head-split q, kv, out and lse); autograd keeps them between the two
+    keeps: tuple[tuple[str, str], ...] = ()
+    #: ``make_plan(problem, topology, fast=False) -> cpattn.core.program.Plan``: the plan this schedule
+    #: runs ``problem`` with (``fast``: a quick one, for a per-step mask), made on one rank and handed to
+    #: every rank as JSON (:meth:`read_plan`); None (the default): the schedule runs its rank-generic
+    #: :meth:`steps` and needs no plan
+    make_plan: Callable[..., Plan] | None = None
+
+    def read_plan(self, text: str) -> Plan:
+        """The plan :attr:`make_plan` made, from its JSON form (validated)."""
+        raise NotImplementedError(f"schedule {self.name!r} makes no plans")
+
+    def choose_layout(self, mask: Mask, seq_len: int, world: int) -> tuple[Layout, int] | None:
+        """The layout and padded length this schedule picks for ``mask`` itself when the user names
+        none (a planner's owner map), or None for its own :meth:`layout_for`."""
+        return None
+
+    def program(self, problem: Problem, phase: str, topology: Topology | None = None, plan: Plan | None = None,
+                rank: int = 0) -> list[Step]:
+        """What group rank ``rank`` runs in ``phase``: the rank-generic :meth:`steps`, or the steps
+        compiled from ``plan`` for that rank (a schedule that plans)."""
+        return self.steps(problem, phase, topology)
+
+    def local_fns(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor) -> Mapping[Hashable, Callable[[Any], Any]]:
+        """The functions the program's :class:`~cpattn.core.steps.Local` actions name, for local ``q``
+        and ``k`` (pure rearrangements: Ulysses' packing for an exchange); none by default."""
+        return {}
+
     def forward(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``.
-        By default the executor runs :meth:`steps` (``cpattn.core.executor.execute``) from the roles ``q``
-        and ``kv0`` (the local ``(k, v)``, packed into one tensor when it first travels) and the result
-        is role ``out``. A schedule that runs a loop of
-        its own may return a third element, a tuple of tensors that autograd keeps and hands to its
-        ``backward`` as ``saved=`` (e.g. Ulysses keeps its head-split tensors)."""
-        steps = self._steps(rt, q, k, "forward")
-        roles = execute(rt, steps, {"q": q, "kv0": (k, v)}, partial(self.blocks_of, rt), keep=("out",))
-        return finish(rt, roles["out"].out, roles["out"].lse, q.dtype)
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Local ``q [b, s, h, d]``, ``k, v [b, s, h_kv, d]`` -> ``out`` (input dtype), ``lse [b, h, s]``
+        and the tensors of :attr:`keeps`. The executor (``cpattn.core.executor.execute``) runs
+        :meth:`program` from the roles ``q`` and ``kv0`` (the local ``(k, v)``, packed into one tensor
+        when it first travels); the result is role ``out``: output accumulators, finished here (sinks
+        merged, cast), or the final output when the program finishes it itself (then with role ``lse``)."""
+        steps = self._program(rt, q, k, "forward")
+        keep = ("out", "lse", *(role for role, _ in self.keeps))
+        roles = execute(rt, steps, {"q": q, "kv0": (k, v)}, partial(self.blocks_of, rt), keep=keep,
+                        transforms=self.local_fns(rt, q, k))
+        result = roles["out"]
+        if isinstance(result, Accumulators):
+            out, lse = finish(rt, result.out, result.lse, q.dtype)
+        else:
+            out, lse = result, roles["lse"]
+        return out, lse, tuple(roles[role] for role, _ in self.keeps)
 
     def backward(self, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients ``dq, dk, dv`` in the input dtype. By default the executor runs :meth:`steps` from
-        the roles ``q``, ``kv0``, ``dout``, ``out`` and ``lse``; the results are roles ``dq`` and
-        ``dkv`` (packed, float32)."""
-        steps = self._steps(rt, q, k, "backward")
+                 out: torch.Tensor, lse: torch.Tensor, saved: tuple[torch.Tensor, ...] = ()
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients ``dq, dk, dv`` in the input dtype. The executor runs :meth:`program` from the roles
+        ``q``, ``kv0``, ``dout``, ``out`` and ``lse`` (those of :attr:`keeps` replaced by ``saved``); the
+        results are roles ``dq`` and ``dkv`` (packed)."""
+        steps = self._program(rt, q, k, "backward")
         start = {"q": q, "kv0": (k, v), "dout": dout, "out": out, "lse": lse}
-        roles = execute(rt, steps, start, partial(self.blocks_of, rt), keep=("dq", "dkv"))
+        start.update((role, t) for (_, role), t in zip(self.keeps, saved))
+        roles = execute(rt, steps, start, partial(self.blocks_of, rt), keep=("dq", "dkv"),
+                        transforms=self.local_fns(rt, q, k))
         dkv = roles["dkv"]
         return roles["dq"].to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
-    def _steps(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor, phase: str) -> list[Step]:
-        """The steps of this call, kept with the runtime's cache (computed once per call signature)."""
-        problem = rt.problem(q, k)
-        with memo.scope(rt.block_cache):
-            return memo.cached(("steps", self, problem, phase, rt.topology),
-                               lambda: self.steps(problem, phase, rt.topology))
+    def _program(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor, phase: str) -> list[Step]:
+        """This rank's program of the call, kept with the runtime's cache (made once per call signature
+        and plan)."""
+        problem, plan = rt.problem(q, k), rt.plan
+        key = ("program", self, problem, phase, rt.topology, rt.rank, id(plan))
+        entry = rt.block_cache.get(key, lambda: None)
+        if entry is None or entry[0] is not plan:  # a plan that died left its id to another one
+            with memo.scope(rt.block_cache):
+                entry = (plan, check_program(self.program(problem, phase, rt.topology, plan, rt.rank),
+                                             START_ROLES[phase] | {role for _, role in self.keeps}))
+            rt.block_cache.put(key, entry)
+        return entry[1]
 
     def blocks_of(self, rt: Runtime, src) -> list[blocks_mod.Block] | None:
         """The blocks an action's source ``src`` (``cpattn.core.steps.Attend``) names on this rank:
         ``("ring", t)``, the kv that started t places behind on the ring (:meth:`ring_blocks`);
         ``("own",)``, this rank's own kv; ``("other", j)``, rank j's kv, and None on rank j itself (its
-        own diagonal runs apart)."""
+        own diagonal runs apart); ``("groups", d, t)``: the queries of this rank's group of d
+        consecutive ranks against the keys of the group t places behind it (one group: the whole
+        sequence; a head split's ring)."""
         r = rt.rank
         if src[0] == "ring":
             return self.ring_blocks(rt, src[1])
+        if src[0] == "groups":
+            d, t = src[1], src[2]
+            i, n = r // d, rt.world // d
+            return rt.blocks([i * d + x for x in range(d)], [(i - t) % n * d + x for x in range(d)])
         if src[0] == "own":
             return rt.blocks(r, [r])
         if src[0] == "other":
@@ -175,16 +236,17 @@ class Schedule:
         it with their bytes, whether they are in flight during the step's compute, and the buffers
         alive. ``topology``: where the ranks run, for schedules whose algorithm depends on it (``usp``
         takes its Ulysses degree from the devices per node); None as ``ContextParallel`` runs without
-        one. Planned schedules (``ultra``) have a plan instead."""
+        one. A schedule that plans compiles a program per rank from its plan instead (:meth:`program`)."""
         raise NotImplementedError(f"schedule {self.name!r} does not implement steps(problem, phase, topology)")
 
-    def volume(self, problem: Problem, rank: int, topology: Topology | None = None) -> Volume:
-        """Bytes and calls per op kind on group rank ``rank``, per phase: the ops of :meth:`steps`,
-        counted by the communicator's rule (``CommOp.accounting``)."""
+    def volume(self, problem: Problem, rank: int, topology: Topology | None = None, plan: Plan | None = None
+               ) -> Volume:
+        """Bytes and calls per op kind on group rank ``rank``, per phase: the ops of its
+        :meth:`program`, counted by the communicator's rule (``CommOp.accounting``)."""
         out: Volume = {}
         for phase in PHASES:
             vol: dict[str, dict[str, int]] = {}
-            for st in self.steps(problem, phase, topology):
+            for st in self.program(problem, phase, topology, plan, rank):
                 for op in st.comm:
                     size = group_size(op.group, problem.world, topology)
                     for kind, (calls, sent, recv) in op.accounting(rank, size).items():
@@ -276,8 +338,8 @@ def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: i
     rt = dataclasses.replace(rt, sinks=sinks if sinks.numel() else None, softcap=softcap)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with memo.scope(rt.block_cache):
-        out, lse, *saved = schedule.forward(rt, q, k, v)
-    out, lse, *saved = _own([out, lse, *(saved[0] if saved else ())], (q, k, v))
+        out, lse, saved = schedule.forward(rt, q, k, v)
+    out, lse, *saved = _own([out, lse, *saved], (q, k, v))
     return out, lse, saved
 
 
@@ -308,10 +370,9 @@ def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     schedule, rt = _slot_site(slot).runtime(q, k, softmax_scale)
     rt = dataclasses.replace(rt, sinks=sinks if sinks.numel() else None, softcap=softcap)
-    extra = {"saved": tuple(saved)} if saved else {}
     dout = dout.contiguous()
     with memo.scope(rt.block_cache):  # out and lse are final (sinks merged in): the kernels' P and D are exact
-        dq, dk, dv = schedule.backward(rt, dout, q, k, v, out, lse, **extra)
+        dq, dk, dv = schedule.backward(rt, dout, q, k, v, out, lse, tuple(saved))
     dsinks = sink_grad(dout, out, lse, sinks) if sinks.numel() else torch.empty_like(sinks)
     dq, dk, dv, dsinks = _own([dq, dk, dv, dsinks], (dout, q, k, v, out, lse, *saved))
     return dq, dk, dv, dsinks

@@ -17,7 +17,7 @@ works (``custom_layout``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 
 from ..core.steps import Add, Attend, AttendBack, CommOp, Problem, Step, Work, Zeros
@@ -26,14 +26,15 @@ from .base import Schedule
 
 
 def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], kv: CommOp, dkv: CommOp, phase: str,
-               live: int) -> list[Step]:
+               live: int, source: Callable[[int], Hashable] = lambda t: ("ring", t)) -> list[Step]:
     """The ring on ``n`` ranks, as a program (``cpattn.core.executor``). Forward, step t attends the kv that
     started t places behind (role ``kv{t}``, source ``("ring", t)``) while ``kv{t}`` travels one place
     on as ``kv{t+1}``. Backward, the same kv ring; step t's float32 dk/dv (``dkv{t}``) is sent after
     its compute, travels during step t+1 and is added to the next rank's ``dkv{t+1}``; the last one
     lands after the loop (a step with nothing to overlap) as ``dkv``, home after a full turn.
     ``work_at(t)``: the work distribution of step t over the ring's ranks (the cost model's view);
-    ``live``: buffer bytes alive on a rank."""
+    ``live``: buffer bytes alive on a rank; ``source(t)``: the block source of step t (``usp``'s ring
+    runs between groups of ranks)."""
     def kv_move(t: int) -> tuple[CommOp, ...]:
         return (replace(kv, send=f"kv{t}", recv=f"kv{t + 1}"),) if t < n - 1 else ()
 
@@ -42,13 +43,13 @@ def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], k
 
     if phase == "forward":
         return [Step(work_at(t), kv_move(t), live_bytes=live,
-                     run=((Zeros("out", "q", output=True),) if t == 0 else ()) + (Attend(f"kv{t}", ("ring", t)),))
+                     run=((Zeros("out", "q", output=True),) if t == 0 else ()) + (Attend(f"kv{t}", source(t)),))
                 for t in range(n)]
     steps = []
     for t in range(n):
         dkv_move = (replace(dkv, send=grads(t - 1), recv=f"in{t}"),) if t > 0 else ()
         run = ((Zeros("dq", "q"),) if t == 0 else ()) + (Zeros(grads(t), f"kv{t}"),
-                                                          AttendBack(f"kv{t}", ("ring", t), grads(t)))
+                                                          AttendBack(f"kv{t}", source(t), grads(t)))
         steps.append(Step(work_at(t), kv_move(t) + dkv_move, live_bytes=live, run=run,
                           after=(Add(grads(t), f"in{t}"),) if t > 0 else ()))
     if n > 1:

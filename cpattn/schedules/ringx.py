@@ -20,7 +20,7 @@ pairwise into its own accumulators: no partial output travels. Backward is X1's.
 The ``o`` forms (``ringx1o``, ``ringx2o``, ``ringx4o``) pipeline the same steps with two buffers:
 the broadcast of step i+1 is in flight during step i's compute, and the reduces of step i are waited
 for at step i+1, after its compute. These are options of one class, :class:`RingX` (``sends``,
-``causal``, ``overlap``); the names are aliases.
+``causal_only``, ``overlap``); the names are aliases.
 
 Which pairs attend comes from the mask classifier; EMPTY blocks are skipped, but a rank with nothing
 to compute still joins the step's collectives. Under windows or short documents on the zigzag layout
@@ -73,31 +73,31 @@ class RingX(Schedule):
     """RingX's broadcast-and-reduce exchange, one class for its variants (their names are aliases):
 
     ``sends``: what an owner broadcasts forward, ``"q"`` (X1, X2: partials merge onto the owner) or
-    ``"kv"`` (X4: every rank merges into its own output; the zigzag layout); ``causal``: for masks
-    contained in the causal one (X2, X4) or for the others (X1); ``overlap``: the next broadcast in
+    ``"kv"`` (X4: every rank merges into its own output; the zigzag layout); ``causal_only``: for
+    masks contained in the causal one (X2, X4) or for the others (X1); ``overlap``: the next broadcast in
     flight during this step's compute and this step's reduces waited one step later (the ``o``
     variants: two buffers)."""
 
     sends: str = "q"
-    causal: bool = False
+    causal_only: bool = False
     overlap: bool = False
     masks = "any"
-    aliases = {"ringx1": {}, "ringx1o": {"overlap": True}, "ringx2": {"causal": True},
-               "ringx2o": {"causal": True, "overlap": True}, "ringx4": {"sends": "kv", "causal": True},
-               "ringx4o": {"sends": "kv", "causal": True, "overlap": True}}
+    aliases = {"ringx1": {}, "ringx1o": {"overlap": True}, "ringx2": {"causal_only": True},
+               "ringx2o": {"causal_only": True, "overlap": True}, "ringx4": {"sends": "kv", "causal_only": True},
+               "ringx4o": {"sends": "kv", "causal_only": True, "overlap": True}}
 
     def __post_init__(self) -> None:
         if self.sends not in ("q", "kv"):
             raise ValueError(f"RingX(sends={self.sends!r}): expected 'q' or 'kv'")
-        if self.sends == "kv" and not self.causal:
-            raise ValueError("RingX(sends='kv') is X4, for causal masks: pass causal=True")
-        for name in ("causal", "overlap"):
+        if self.sends == "kv" and not self.causal_only:
+            raise ValueError("RingX(sends='kv') is X4, for causal masks: pass causal_only=True")
+        for name in ("causal_only", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RingX({name}={getattr(self, name)!r}): expected a bool")
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        base = "ringx4" if self.sends == "kv" else "ringx2" if self.causal else "ringx1"
+        base = "ringx4" if self.sends == "kv" else "ringx2" if self.causal_only else "ringx1"
         return base + ("o" if self.overlap else "")
 
     @property
@@ -105,8 +105,12 @@ class RingX(Schedule):
         return "zigzag" if self.sends == "kv" else "contiguous"
 
     @property
+    def causal(self) -> bool:  # type: ignore[override]
+        return self.causal_only
+
+    @property
     def bidirectional(self) -> bool:  # type: ignore[override]
-        return not self.causal
+        return not self.causal_only
 
     @property
     def memory(self) -> str:  # type: ignore[override]
@@ -116,7 +120,7 @@ class RingX(Schedule):
     def summary(self) -> str:  # type: ignore[override]
         what = {("q", False): "broadcast q_i, distributed merge onto i",
                 ("q", True): "X1 under a causal mask: only ranks the mask lets reach q_i attend it",
-                ("kv", True): "broadcast kv_i, zigzag causal rule, pairwise merge"}[self.sends, self.causal]
+                ("kv", True): "broadcast kv_i, zigzag causal rule, pairwise merge"}[self.sends, self.causal_only]
         return what + ("; pipelined: next broadcast in flight during compute, reduces waited one step later"
                        if self.overlap else "; backward broadcast kv_i, reduce dk/dv onto i")
 

@@ -27,12 +27,10 @@ point-to-point shifts instead of a collective (same bytes: (D-1) sends and recei
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
 
-from ..core.executor import execute
 from ..core.kernels import acc_dtype
 from ..core.layout import grouped
 from ..core.merge import with_sinks
@@ -41,6 +39,9 @@ from ..core.steps import CommOp, Local, Problem, Step
 from ..core.topology import Topology
 from .base import Runtime, Schedule
 from .ring import ring_steps
+
+#: what the forward keeps for the backward (role at the forward's end, role the backward starts it as)
+KEEPS = (("q", "q"), ("kv0", "kv0"), ("out_h", "out"), ("lse_h", "lse"))
 
 
 def divisors(n: int, at_most: int) -> list[int]:
@@ -81,7 +82,7 @@ def transforms(q: torch.Tensor, k: torch.Tensor, degree: int, sinks: torch.Tenso
       of a kv head that went to several members;
     - ``out_h``, ``lse_h``: output accumulators -> the head-split ``out`` (input dtype) and ``lse``,
       with the sinks of this ``member``'s heads merged in (``sinks [H]``, when given); ``dq_h``: float32
-      dq -> the input dtype."""
+      dq -> the input dtype; ``packed``: the start ``(k, v)`` as one tensor; ``same``: its input."""
     n, dtype, hk = degree, q.dtype, k.shape[2]
     plan = kv_plan(q.shape[2], hk, n)
     heads = torch.tensor([h for p in plan for h in p], device=q.device)
@@ -106,6 +107,7 @@ def transforms(q: torch.Tensor, k: torch.Tensor, degree: int, sinks: torch.Tenso
         return r.permute(1, 0, 2, 3, 4).reshape(b, n * s, hl, d)
 
     def kv_pack(kv):
+        kv = torch.stack(kv) if isinstance(kv, tuple) else kv
         _, b, s, _, d = kv.shape
         return kv.index_select(3, heads).reshape(2, b, s, n, len(plan[0]), d).permute(3, 0, 1, 2, 4, 5).contiguous()
 
@@ -145,7 +147,8 @@ def transforms(q: torch.Tensor, k: torch.Tensor, degree: int, sinks: torch.Tenso
     return {"heads_pack": heads_pack, "heads_unpack": heads_unpack, "kv_pack": kv_pack, "kv_unpack": kv_unpack,
             "seq_pack": seq_pack, "seq_unpack": seq_unpack, "lse_pack": lse_pack, "lse_unpack": lse_unpack,
             "dkv_pack": dkv_pack, "dkv_unpack": dkv_unpack, "out_h": lambda acc: final(acc)[0].to(dtype),
-            "lse_h": lambda acc: final(acc)[1], "dq_h": lambda dq: dq.to(dtype)}
+            "lse_h": lambda acc: final(acc)[1], "dq_h": lambda dq: dq.to(dtype), "same": lambda x: x,
+            "packed": lambda kv: torch.stack(kv) if isinstance(kv, tuple) else kv}
 
 
 def dkv_dtype(plan: list[list[int]], kv_heads: int, dtype: torch.dtype) -> torch.dtype:
@@ -182,14 +185,13 @@ class UlyssesSchedule(Schedule):
     def check_shape(self, q: torch.Tensor, k: torch.Tensor, world: int) -> None:
         check_heads("ulysses", q.shape[2], world, world)
 
+    keeps = KEEPS
+
     def saved_like(self, q, k, world, topology=None):
         return saved_like(q, k, world)
 
-    def forward(self, rt: Runtime, q, k, v):
-        return run_head_split(self, rt, q, k, v, rt.world)
-
-    def backward(self, rt: Runtime, dout, q, k, v, out, lse, saved=()):
-        return run_head_split_backward(self, rt, dout, q, k, saved, rt.world)
+    def local_fns(self, rt: Runtime, q, k):
+        return transforms(q, k, rt.world, rt.sinks, rt.rank)
 
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """The all-to-alls to the head split, whole-sequence attention on h/P heads (the same work on
@@ -271,65 +273,28 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
         live_out = saved + dq_acc + kv_acc + 2 * (q + msg["dkv"])
     kv_op = CommOp("sendrecv", kv, peer=degree)  # ring neighbours are degree ranks apart
     dkv_op = CommOp("sendrecv", kv_acc, peer=degree)
-    return exchanges(0, live_in) + ring_steps(n, work_at, kv_op, dkv_op, phase, live_ring) + exchanges(1, live_out)
+    ring = ring_steps(n, work_at, kv_op, dkv_op, phase, live_ring, source=lambda t: ("groups", degree, t))
+    if degree == 1:  # no exchange: the ring's result is the sequence split's
+        return ring + ([Step(live_bytes=live_out, after=ONE_MEMBER)] if phase == "forward" else [])
+    return exchanges(0, live_in) + ring + exchanges(1, live_out)
 
 
 #: per message, the actions around its exchange (:func:`transforms`): (before: pack what is sent,
 #: after: unpack what arrived). Forward the head split replaces roles ``q`` and ``kv0`` (the ring runs
-#: on them) and the results are ``out_seq`` and ``lse_seq`` (``out_h``, ``lse_h``: the head-split
-#: output kept for the backward); backward ``dout`` is replaced and the results are ``dq_seq`` and
-#: ``dkv_seq``. Each message is a step of its own, so one message's buffers are alive at a time.
+#: on them) and the final ``out`` and ``lse`` replace the accumulators (``out_h``, ``lse_h``: the
+#: head-split output kept for the backward); backward ``dout`` is replaced and the results replace
+#: ``dq`` and ``dkv``. Each message is a step of its own, so one message's buffers are alive at a time.
 CODECS = {
     "q": ((Local("heads_pack", "q", "q_out"),), (Local("heads_unpack", "q_in", "q"),)),
     "kv": ((Local("kv_pack", "kv0", "kv_out"),), (Local("kv_unpack", "kv_in", "kv0"),)),
-    "out": ((Local("out_h", "out", "out_h"), Local("seq_pack", "out_h", "out_out")),
-            (Local("seq_unpack", "out_in", "out_seq"),)),
-    "lse": ((Local("lse_h", "out", "lse_h"), Local("lse_pack", "lse_h", "lse_out")),
-            (Local("lse_unpack", "lse_in", "lse_seq"),)),
+    "out": ((Local("out_h", "out", "out_h"), Local("lse_h", "out", "lse_h"), Local("seq_pack", "out_h", "out_out")),
+            (Local("seq_unpack", "out_in", "out"),)),
+    "lse": ((Local("lse_pack", "lse_h", "lse_out"),), (Local("lse_unpack", "lse_in", "lse"),)),
     "dout": ((Local("heads_pack", "dout", "dout_out"),), (Local("heads_unpack", "dout_in", "dout"),)),
     "dq": ((Local("dq_h", "dq", "dq_h"), Local("seq_pack", "dq_h", "dq_out")),
-           (Local("seq_unpack", "dq_in", "dq_seq"),)),
-    "dkv": ((Local("dkv_pack", "dkv", "dkv_out"),), (Local("dkv_unpack", "dkv_in", "dkv_seq"),)),
+           (Local("seq_unpack", "dq_in", "dq"),)),
+    "dkv": ((Local("dkv_pack", "dkv", "dkv_out"),), (Local("dkv_unpack", "dkv_in", "dkv"),)),
 }
-
-
-def group_blocks(rt: Runtime, degree: int, t: int):
-    """This rank's Ulysses group's queries against the keys of the group ``t`` places behind it on the
-    ring across groups (groups of ``degree`` consecutive ranks; one group: the whole sequence)."""
-    i, n = rt.rank // degree, rt.world // degree
-
-    def group(j: int) -> list[int]:
-        return [j * degree + x for x in range(degree)]
-
-    return rt.blocks(group(i), group((i - t) % n))
-
-
-def run_head_split(schedule: Schedule, rt: Runtime, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int):
-    """The forward of a head split of ``degree`` (:func:`head_split_steps` on the executor): ``out``,
-    ``lse`` and the tensors the backward needs, ``(q_h, kv_h, out_h, lse_h)``."""
-    steps = schedule.steps(rt.problem(q, k), "forward", rt.topology)
-    code = transforms(q, k, degree, rt.sinks, rt.rank % degree)
-    roles = execute(rt, steps, {"q": q, "kv0": torch.stack([k, v])}, partial(_ring_of_groups, rt, degree),
-                    keep=("q", "kv0", "out", "out_h", "lse_h", "out_seq", "lse_seq"), transforms=code)
-    if "out_seq" not in roles:  # one member: the head split is the sequence split
-        out_h, lse_h = code["out_h"](roles["out"]), code["lse_h"](roles["out"])
-        return out_h, lse_h, (roles["q"], roles["kv0"], out_h, lse_h)
-    return roles["out_seq"], roles["lse_seq"], (roles["q"], roles["kv0"], roles["out_h"], roles["lse_h"])
-
-
-def _ring_of_groups(rt: Runtime, degree: int, src):
-    if src[0] != "ring":
-        raise ValueError(f"a head split's ring has no block source {src!r}")
-    return group_blocks(rt, degree, src[1])
-
-
-def run_head_split_backward(schedule: Schedule, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                            saved: tuple, degree: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward matching :func:`run_head_split` from its ``saved`` tensors: ``dq, dk, dv``."""
-    q_h, kv_h, out_h, lse_h = saved
-    steps = schedule.steps(rt.problem(q, k), "backward", rt.topology)
-    code = transforms(q, k, degree)
-    roles = execute(rt, steps, {"q": q_h, "kv0": kv_h, "out": out_h, "lse": lse_h, "dout": dout},
-                    partial(_ring_of_groups, rt, degree), keep=("dq", "dkv", "dq_seq", "dkv_seq"), transforms=code)
-    dq, dkv = (roles["dq_seq"], roles["dkv_seq"]) if "dq_seq" in roles else (code["dq_h"](roles["dq"]), roles["dkv"])
-    return dq, dkv[0].to(k.dtype), dkv[1].to(k.dtype)
+#: one member (a degree of 1): the ring's output finished as the exchanges would leave it
+ONE_MEMBER = (Local("out_h", "out", "out_h"), Local("lse_h", "out", "lse_h"), Local("same", "out_h", "out"),
+              Local("same", "lse_h", "lse"), Local("packed", "kv0", "kv0"))

@@ -28,7 +28,7 @@ import torch
 from ..core.steps import Problem, Step
 from ..core.topology import Topology
 from .base import Runtime, Schedule
-from .ulysses import check_heads, divisors, head_split_steps, run_head_split, run_head_split_backward, saved_like
+from .ulysses import KEEPS, check_heads, divisors, head_split_steps, saved_like, transforms
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,14 +63,14 @@ class USPSchedule(Schedule):
                 raise ValueError(f"{self.name}: ulysses_degree={d} must divide the group size {world}")
             check_heads(self.name, q.shape[2], d, world)
 
+    keeps = KEEPS
+
     def saved_like(self, q, k, world, topology=None):
         return saved_like(q, k, self.degree(q.shape[2], world, topology))
 
-    def forward(self, rt: Runtime, q, k, v):
-        return run_head_split(self, rt, q, k, v, self.degree(q.shape[2], rt.world, rt.topology))
-
-    def backward(self, rt: Runtime, dout, q, k, v, out, lse, saved=()):
-        return run_head_split_backward(self, rt, dout, q, k, saved, self.degree(q.shape[2], rt.world, rt.topology))
+    def local_fns(self, rt: Runtime, q, k):
+        d = self.degree(q.shape[2], rt.world, rt.topology)
+        return transforms(q, k, d, rt.sinks, rt.rank % d)
 
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
         """The Ulysses exchanges of degree D, the ring across the P / D groups, the exchanges back

@@ -7,7 +7,7 @@ log) and ``$COLUMNS`` is not set, tables print at their full natural width. A ta
 than that leaves out its columns in their stated order (``Column.drop``: 1 first) and says in its
 caption which it left out. Text wraps at spaces only, so an error inside a table is never cut mid-word.
 
-rich and matplotlib are imported when a command prints or draws, not with ``cpattn.cli``.
+rich and matplotlib are imported when a command prints or draws, not with ``cpattn``.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def line_style(index: int) -> dict:
 def schedule_style(name: str) -> dict:
     """:func:`line_style` of a schedule by its place in the registry, so a schedule looks the same in
     every plot; a line that is not a schedule gets a style after the registry's."""
-    from .. import schedules
+    from . import schedules
 
     names = schedules.names()
     return line_style(names.index(name) if name in names else len(names) + sum(map(ord, name)) % 50)
