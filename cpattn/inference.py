@@ -329,10 +329,11 @@ class KVCache:
         """``q [1, nq, h, d]`` against ``k, v [1, nk, h_kv, d]`` where ``allowed [nq, nk]`` (host): ``(out [1,
         nq, h, d], lse [1, h, nq])`` in the accumulation dtype (0 and -inf for rows that attend nothing)."""
         acc = kernels.acc_dtype(q.dtype)
-        if k.shape[1] == 0 or not bool(allowed.any()):
+        host = allowed.numpy()  # a host mask: deciding the kernel reads nothing back from a device
+        if k.shape[1] == 0 or not host.any():
             out = torch.zeros(q.shape, dtype=acc, device=q.device)
             return out, torch.full((1, q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
-        if bool(allowed.all()):
+        if host.all():
             return kernels.forward(q, k, v, BlockKind.FULL, scale, None, backend=self.backend, softcap=softcap)
         return kernels.forward(q, k, v, BlockKind.PARTIAL, scale, allowed.to(q.device), backend=self.backend,
                                softcap=softcap)

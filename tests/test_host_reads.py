@@ -2,10 +2,11 @@
 launch queue, so transfers stop overlapping compute. Every registered schedule runs fwd+bwd at P=2
 (causal or full, a padded length, packed documents, a bidirectional window) under a dispatch mode that
 records the ops of ``worker_fns.HOST_READS`` (``aten._local_scalar_dense``, ``aten.nonzero``, ...);
-the second call with a shape must record none."""
+the second call with a shape must record none; so must a key/value cache's decode step."""
 
 from __future__ import annotations
 
+import pytest
 import worker_fns
 
 from cpattn import schedules
@@ -29,3 +30,10 @@ def test_no_host_reads_in_a_steady_state_call(worlds):
         reads = {key: where for key, where in result.items() if where}
         assert not reads, f"rank {rank}: device values read on the host:\n" + "\n".join(
             f"  {key}: {len(where)} x, first {where[0]}" for key, where in reads.items())
+
+
+@pytest.mark.parametrize("merge_how", ["all_reduce", "all_gather"])
+def test_no_host_reads_in_a_kv_cache_decode_step(worlds, merge_how):
+    found = worlds.get(2).run(worker_fns.decode_host_reads, timeout=120, merge_how=merge_how)
+    for rank, seen in enumerate(found):
+        assert seen == [], f"rank {rank}: device values read on the host:\n" + "\n".join(seen)

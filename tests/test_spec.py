@@ -121,6 +121,18 @@ def test_a_serialised_ring_fails(worlds, world):
     assert verify.run(worlds.get(world), case).passed
 
 
+def test_a_serialised_plan_fails(worlds):
+    """The same for a schedule that plans: each rank's compiled program declares which of its messages
+    are in flight across its kernel calls, and the serialising executor breaks that."""
+    case = verify.Case("ultra", 2, "sliding_window", "float32", heads=4, kv_heads=2, head_dim=8, seq=64, seed=3,
+                       mask_args={"window": 12}, options=FAST_PLANS)
+    per_rank = worlds.get(2).run(serialised_ring_case, name="serialised ultra", **dataclasses.asdict(case))
+    result = verify.check(case, per_rank)
+    assert not result.comm_mismatches and all(result.errors[q] <= result.tolerances[q] for q in verify.QUANTITIES)
+    assert any("in flight during a kernel call" in m for m in result.spec_mismatches), result.spec_mismatches
+    assert verify.run(worlds.get(2), case).passed
+
+
 # ---------------------------------------------------------------------------------- the comparison itself
 K = Kernel("full", 4, 4, 16)
 STEPS = [Step(((work([(K, 1)]), 2),), (CommOp("sendrecv", 64),)), Step(((work([(K, 1)]), 2),))]

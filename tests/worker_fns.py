@@ -319,12 +319,9 @@ def check_off_stays_local() -> dict:
 HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.item", "aten.is_nonzero")
 
 
-def host_reads(masks: list) -> dict:
-    """Every registered schedule, fwd+bwd at this world size, for each ``(mask spec, seq_len)`` it
-    accepts (a length the layout cannot split runs padded). The first
-    call with the shape warms up: block lists, plans, agreement); the next call runs under a dispatch mode
-    that records every op of :data:`HOST_READS` with the stack that issued it. ``{schedule/mask: [where,
-    ...]}`` (empty lists: no read)."""
+def _reads_mode():
+    """A dispatch mode that records every op of :data:`HOST_READS` with the stack that issued it
+    (``seen``), stepping into cpattn's attention ops (``ops`` counts them)."""
     import traceback
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -349,6 +346,14 @@ def host_reads(masks: list) -> dict:
                 self.seen.append(f"{func.overloadpacket} at " + " <- ".join(reversed(stack[-4:])))
             return func(*args, **(kwargs or {}))
 
+    return Reads()
+
+
+def host_reads(masks: list) -> dict:
+    """Every registered schedule, fwd+bwd at this world size, for each ``(mask spec, seq_len)`` it
+    accepts (a length the layout cannot split runs padded). The first
+    call with the shape warms up: block lists, plans, agreement); the next call runs under
+    :func:`_reads_mode`. ``{schedule/mask: [where, ...]}`` (empty lists: no read)."""
     fast = cpattn.planner.PlanOptions(time_budget=1.0, partition_time_limit=0.3, schedule_time_limit=0.3)
     found = {}
     for name in cpattn.schedules.names():
@@ -365,13 +370,40 @@ def host_reads(masks: list) -> dict:
             g = torch.Generator().manual_seed(7)
             q, k, v = (torch.randn(1, cp.local_len, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
             cp.attention(q, k, v).sum().backward()
-            mode = Reads()
+            mode = _reads_mode()
             with mode:
                 cp.attention(q, k, v).sum().backward()
             if mode.ops != 2:
                 raise RuntimeError(f"{name}: the mode stepped into {mode.ops} cpattn ops, expected 2")
             found[f"{name}/{mask.name}/{seq}"] = mode.seen
     return found
+
+
+def decode_host_reads(merge_how: str) -> list[str]:
+    """A key/value cache (``cpattn.inference.KVCache``) after a prompt: one decode step warms up (its
+    merge choice), the next runs under :func:`_reads_mode`; what it recorded."""
+    from cpattn.inference import KVCache
+
+    cp = cpattn.ContextParallel(32, "causal", "ring")
+    g = torch.Generator().manual_seed(5)
+    kv = KVCache(cp, layers=2, kv_heads=2, head_dim=8, rows=2, merge=merge_how)
+    kv.place_prompt(cp, [16, 16])
+    for layer in range(2):
+        q, k, v = (torch.randn(1, cp.local_len, h, 8, generator=g) for h in (4, 2, 2))
+        kv.prefill(layer, cp, q, k, v)
+
+    def step() -> None:
+        kv.place_decode()
+        for layer in range(2):
+            q, k, v = (torch.randn(2, 1, h, 8, generator=g) for h in (4, 2, 2))
+            kv.write(layer, k, v)
+            kv.decode_attention(layer, q)
+
+    step()
+    mode = _reads_mode()
+    with mode:
+        step()
+    return mode.seen
 
 
 class _Block(torch.nn.Module):
