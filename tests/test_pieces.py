@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from cpattn import ContextParallel, kernels, layout, masks
 from cpattn.core import blocks
 from cpattn.core.comm import Communicator
-from cpattn.schedules.base import Runtime, attend, attend_backward, new_accumulators
+from cpattn.schedules.base import Accumulators, Runtime, attend, attend_backward
 
 
 def _doc_lengths(total: int, max_len: int) -> st.SearchStrategy[list[int]]:
@@ -247,7 +247,7 @@ def test_attend_matches_float64_reference(mask, world_layout):
     dk, dv = torch.zeros(2, s, hkv, d), torch.zeros(2, s, hkv, d)
     for r in range(world):
         qi = pos[r]
-        acc = new_accumulators(q[:, qi])
+        acc = Accumulators(q[:, qi])
         for j in range(world):
             attend(rt, q[:, qi], k[:, pos[j]], v[:, pos[j]], blocks.for_ranks(mask, lay, s, world, r, [j]), acc)
         out, lse = acc

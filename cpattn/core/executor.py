@@ -149,11 +149,6 @@ class Accumulators:
         return fresh
 
 
-def new_accumulators(q: torch.Tensor) -> Accumulators:
-    """Zero output and -inf lse accumulators for local queries ``q [b, s, h, d]``."""
-    return Accumulators(q)
-
-
 def _take(x: torch.Tensor, span: slice | None, index: torch.Tensor, dim: int) -> torch.Tensor:
     """Rows ``span`` (a view) or ``index`` (a gather) of ``x`` along ``dim``."""
     if span is not None:
@@ -285,12 +280,6 @@ def _reads_writes(action) -> tuple[tuple[str, ...], tuple[str, ...]]:
     raise TypeError(f"unknown action {action!r}")
 
 
-def _roles(action) -> tuple[str, ...]:
-    """The buffer roles an action reads or writes."""
-    reads, writes = _reads_writes(action)
-    return reads + writes
-
-
 #: the roles a phase's program starts from (``Schedule.forward`` / ``Schedule.backward``)
 START_ROLES = {"forward": frozenset({"q", "kv0"}), "backward": frozenset({"q", "kv0", "dout", "out", "lse"})}
 
@@ -335,7 +324,7 @@ def _last_uses(steps: list[Step]) -> list[set[str]]:
                 if role is not None:
                     last[role] = max(last.get(role, i), i if op.wait is None else op.wait)
         for action in (*st.before, *st.run, *st.after):
-            for role in _roles(action):
+            for role in sum(_reads_writes(action), ()):
                 last[role] = i
     drop: list[set[str]] = [set() for _ in steps]
     for role, i in last.items():
@@ -477,8 +466,12 @@ def _fold(action: Fold, roles: dict[str, Any]) -> None:
     if action.into not in roles:  # the first contribution becomes the partial result
         roles[action.into] = value
         return
-    target = _rows_of(action.item, roles[action.into], action.rows)
-    if action.item == "o":
+    into = roles[action.into]
+    target = _rows_of(action.item, into, action.rows)
+    if action.item == "o" and isinstance(into, Accumulators) and into.claim(slice(*(action.rows or (None,)))):
+        target[0].copy_(value[0])  # rows no block reached yet take the partial as is (and are now written)
+        target[1].copy_(value[1])
+    elif action.item == "o":
         merge_into(target[0], target[1], value[0], value[1])
     else:
         target.add_(value)
@@ -497,7 +490,9 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
     ``blocks_of``: the blocks of an action's source on this rank; ``transforms``: the functions
     :class:`~cpattn.core.steps.Local` actions name."""
     transforms = transforms or {}
-    drops, keep = _last_uses(steps), set(keep)
+    entry = rt.block_cache.get(("last uses", id(steps)), lambda: (steps, _last_uses(steps)))
+    drops = entry[1] if entry[0] is steps else _last_uses(steps)  # a list that died left its id to this one
+    keep = set(keep)
     due: dict[int, list] = {}  # step index -> handles waited for before its run actions
     for i, (st, drop) in enumerate(zip(steps, drops)):
         for handle in due.pop(i, ()):
@@ -528,4 +523,4 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
 
 
 __all__ = ["START_ROLES", "Accumulators", "BoundedCache", "Run", "Runtime", "attend", "attend_backward",
-           "check_program", "execute", "new_accumulators"]
+           "check_program", "execute"]

@@ -35,7 +35,6 @@ from ..core.executor import (
     attend_backward,
     check_program,
     execute,
-    new_accumulators,
 )
 from ..core.kernels import acc_dtype
 from ..core.layout import Layout
@@ -424,4 +423,4 @@ def op_body(func) -> Callable | None:
 
 
 __all__ = ["Accumulators", "BlockKind", "Run", "Runtime", "Schedule", "Volume", "attend",
-           "attend_backward", "attention_op", "new_accumulators", "op_body", "register_site", "site_slot"]
+           "attend_backward", "attention_op", "op_body", "register_site", "site_slot"]

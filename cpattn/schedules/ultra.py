@@ -136,6 +136,12 @@ def compile_steps(plan, phase: str, rank: int, sizes: Sizes) -> list[Step]:
         msgs = tuple(f"m{incoming[item, c]}" for c in chunks if owned[c] != rank)
         return parts, OWN_ROLES[item] + msgs
 
+    def own_span(chunks) -> int | None:
+        """The first local row of ``chunks`` when this rank owns them all, consecutive; else None."""
+        if all(owned[c] == rank for c in chunks) and list(chunks) == list(range(chunks[0], chunks[-1] + 1)):
+            return rows(chunks[0])[0]
+        return None
+
     def acc_of(item: str, chunk: int) -> tuple[str, tuple[int, int] | None]:
         return (OWN_ACC[item], rows(chunk)) if owned[chunk] == rank else (f"p{item}{chunk}", None)
 
@@ -182,26 +188,38 @@ def compile_steps(plan, phase: str, rank: int, sizes: Sizes) -> list[Step]:
                                                            wait=end),)))
         elif op.kind == "compute":
             kn, k = ph.kernels[op.id], op.id
-            row_parts, row_roles = gather(row_item, kn.rows)
-            col_parts, col_roles = gather("kv", kn.cols)
-            run = [Local(("gather", "kv", col_parts), col_roles, f"c{k}")]
-            if forward:
+            ro, co = own_span(kn.rows), own_span(kn.cols)
+            src = ("cell", phase, k, ro or 0, co or 0)
+            run = []
+            if co is None:  # columns gathered: dk/dv into a buffer of their own, folded per chunk
+                col_parts, col_roles = gather("kv", kn.cols)
+                kv, dkv = f"c{k}", f"g{k}"
+                run.append(Local(("gather", "kv", col_parts), col_roles, kv))
+                folds = [Fold("dkv", dkv, *acc_of("dkv", c), at=(t * n, (t + 1) * n)) for t, c in enumerate(kn.cols)]
+            else:  # this rank's own consecutive columns: the blocks read kv0 and add into dkv in place
+                kv, dkv, folds = "kv0", "dkv", []
+            if not forward and co is None:
+                run.append(Zeros(dkv, kv))
+            if ro is not None:  # this rank's own consecutive rows: the blocks work on its q and accumulators
+                run.append(Attend(kv, src) if forward else AttendBack(kv, src, dkv))
+            elif forward:
+                row_parts, row_roles = gather("q", kn.rows)
                 run += [Local(("gather", "q", row_parts, 0), row_roles, f"r{k}"), Zeros(f"o{k}", f"r{k}", output=True),
-                        Attend(f"c{k}", ("cell", phase, k), q=f"r{k}", into=f"o{k}")]
+                        Attend(kv, src, q=f"r{k}", into=f"o{k}")]
                 run += [Fold("o", f"o{k}", *acc_of("o", c), at=(t * n, (t + 1) * n)) for t, c in enumerate(kn.rows)]
             else:
+                row_parts, row_roles = gather("qb", kn.rows)
                 names = [f"r{k}.{x}" for x in range(4)]
                 run += [Local(("gather", "qb", row_parts, x), row_roles, names[x]) for x in range(4)]
                 own_out = all(p is not None for p in row_parts)
                 if own_out:
                     run.append(Local(("gather", "out", row_parts, 0), ("out",), f"u{k}"))
-                run += [Zeros(f"h{k}", names[0]), Zeros(f"g{k}", f"c{k}"),
-                        AttendBack(f"c{k}", ("cell", phase, k), f"g{k}", q=names[0], dout=names[1], lse=names[2],
+                run += [Zeros(f"h{k}", names[0]),
+                        AttendBack(kv, src, dkv, q=names[0], dout=names[1], lse=names[2],
                                    out=f"u{k}" if own_out else None, delta=None if own_out else names[3],
                                    dq=f"h{k}")]
                 run += [Fold("dq", f"h{k}", *acc_of("dq", c), at=(t * n, (t + 1) * n)) for t, c in enumerate(kn.rows)]
-                run += [Fold("dkv", f"g{k}", *acc_of("dkv", c), at=(t * n, (t + 1) * n)) for t, c in enumerate(kn.cols)]
-            steps.append(Step(run=tuple(run)))
+            steps.append(Step(run=tuple(run if forward else run + folds)))
         else:
             t = ph.transfers[op.id]
             steps.append(Step(run=(Local(("unpack", t.item), f"m{op.id}", f"x{op.id}"),
@@ -320,22 +338,28 @@ class UltraSchedule(Schedule):
         return Functions(plan_sizes(rt.plan, rt.problem(q, k)), q.dtype, q.device)
 
     def blocks_of(self, rt: Runtime, src) -> list[blocks_mod.Block]:
-        """``("cell", phase, k)``: the blocks of kernel k of the plan's phase over its gathered rows
-        and columns: one fused block, or for a PARTIAL cell the mask's own cover of it
-        (``cpattn.core.blocks.rectangles`` over the cell's original token ranges: the plan may hold the
-        sequence reordered; padding is never covered). Kept with the ContextParallel."""
-        _, phase, k = src
+        """``("cell", phase, k, rows, cols)``: the blocks of kernel k of the plan's phase, their rows and
+        columns starting at local rows ``rows`` and ``cols`` of the tensors they read: one fused block,
+        or for a PARTIAL cell the mask's own cover of it (``cpattn.core.blocks.rectangles`` over the
+        cell's original token ranges: the plan may hold the sequence reordered; padding is never
+        covered). Kept with the ContextParallel."""
+        _, phase, k, r0, c0 = src
         plan = rt.plan
         kn = plan.phase(phase).kernels[k]
         kind = BlockKind(kn.kind)
         if kind != BlockKind.PARTIAL:
             n = plan.table.chunk
-            return rt.block_cache.get(("ultra fused", kind, len(kn.rows) * n, len(kn.cols) * n), lambda: [
-                blocks_mod.Block(slice(0, len(kn.rows) * n), slice(0, len(kn.cols) * n), kind)])
+            return rt.block_cache.get(("ultra fused", kind, r0, c0, len(kn.rows) * n, len(kn.cols) * n), lambda: [
+                blocks_mod.Block(slice(r0, r0 + len(kn.rows) * n), slice(c0, c0 + len(kn.cols) * n), kind)])
         rows, cols = tuple(plan.source_ranges(kn.rows[0])), tuple(plan.source_ranges(kn.cols[0]))
         valid = plan.key["valid_len"]
-        return rt.block_cache.get(("ultra cell", rows, cols, valid),
-                                  lambda: blocks_mod.rectangles(rt.mask, rows, cols, valid))
+
+        def cover() -> list[blocks_mod.Block]:
+            return [dataclasses.replace(b, q=slice(b.q.start + r0, b.q.stop + r0),
+                                        kv=slice(b.kv.start + c0, b.kv.stop + c0))
+                    for b in blocks_mod.rectangles(rt.mask, rows, cols, valid)]
+
+        return rt.block_cache.get(("ultra cell", rows, cols, valid, r0, c0), cover)
 
 
 __all__ = ["CODECS", "Codec", "Functions", "UltraSchedule", "compile_steps", "plan_sizes"]
