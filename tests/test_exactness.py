@@ -143,7 +143,7 @@ def test_checker_catches_a_wrong_answer():
     row = {"member": True, "rank": 0, "positions": np.arange(case.seq),
            **{q: loc[q].double().numpy().copy() for q in verify.QUANTITIES},
            "measured": {"forward": {}, "backward": {}}, "expected": {"forward": {}, "backward": {}},
-           "spec": {ph: {"problems": [], "overlapped": 0, "computes": 0, "expected": None}
+           "spec": {ph: {"problems": [], "overlapped": 0, "computes": 0, "expected": (0, 0)}
                     for ph in ("forward", "backward")}}
     assert verify.check(case, [row]).passed
     row["out"][0, 5] += 1e-2

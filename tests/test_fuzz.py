@@ -254,7 +254,7 @@ def test_predicate_checker_catches_a_wrong_answer():
     row = {"member": True, "rank": 0, "positions": np.arange(case.seq),
            **{q: loc[q].double().numpy().copy() for q in verify.QUANTITIES},
            "measured": {"forward": {}, "backward": {}}, "expected": {"forward": {}, "backward": {}},
-           "spec": {ph: {"problems": [], "overlapped": 0, "computes": 0, "expected": None}
+           "spec": {ph: {"problems": [], "overlapped": 0, "computes": 0, "expected": (0, 0)}
                     for ph in ("forward", "backward")}}
     assert fuzz_workers.check(case, mod, [row]).passed
     assert not fuzz_workers.check(case, {**mod, "combine": "and"}, [row]).passed
