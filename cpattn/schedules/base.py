@@ -192,8 +192,9 @@ class Schedule:
         entry = rt.block_cache.get(key, lambda: None)
         if entry is None or entry[0] is not plan:  # a plan that died left its id to another one
             with memo.scope(rt.block_cache):
+                kept = {role for _, role in self.keeps} if phase == "backward" else set()
                 entry = (plan, check_program(self.program(problem, phase, rt.topology, plan, rt.rank),
-                                             START_ROLES[phase] | {role for _, role in self.keeps}))
+                                             START_ROLES[phase] | kept))
             rt.block_cache.put(key, entry)
         return entry[1]
 
