@@ -23,27 +23,83 @@ can place and mask without asking the others). A step first *places* its tokens,
 
 Rows: a batch of prompts of different lengths is one packed sequence of documents (one per row) while
 prefilling, and one query per row while decoding; a token attends only the tokens of its own row at
-positions up to its own (and within a layer's sliding window, when given). Every merge is
-``cpattn.core.merge``'s; every collective goes through the cache's communicator (a view of the
-ContextParallel's), whose ``comm_stats()`` counts this cache's attention traffic only.
+positions up to its own (and within a layer's sliding window, when given). Prefill runs
+``cp.attention``; decode and a second turn's exchange are executor programs too (:data:`DECODE`,
+:data:`PASS_Q`, :data:`PASS_KV`: ``cpattn.core.executor.execute`` issues their collectives, through the
+cache's communicator, a view of the ContextParallel's whose ``comm_stats()`` counts this cache's
+attention traffic only), and every merge is ``cpattn.core.merge``'s (its pieces as the executor's
+``LseMax`` / ``Weigh`` actions and the :data:`MERGES` functions).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from .api import ContextParallel
 from .core import kernels, merge
+from .core.blocks import Block
+from .core.executor import Accumulators, Runtime, execute
 from .core.masks import BlockKind
+from .core.steps import Attend, CommOp, Local, LseMax, Step, Weigh, Zeros
 from .cost import inference as inference_cost
 from .cost.presets import this_machine
 
 #: accepted values of ``KVCache(merge=...)`` and ``KVCache(extend=...)``
 MERGE_CHOICES = ("auto", *inference_cost.MERGES)
 EXTEND_CHOICES = ("auto", *inference_cost.EXTENDS)
+
+
+#: the functions the cache programs' ``Local`` actions name: the merge's pieces (``cpattn.core.merge``)
+MERGES = {
+    "cat": lambda nd: torch.cat(nd, dim=-1),
+    "finish": lambda nd_m: merge.merge_finish(nd_m[0][..., :-1], nd_m[0][..., -1:], nd_m[1]),
+    "with_lse": lambda acc: torch.cat([acc.out, acc.lse.transpose(1, 2).unsqueeze(-1)], dim=-1)[0],
+    "merge_all": lambda everyone: _merge_all(everyone),
+    "same": lambda x: x,
+}
+
+
+def _merge_all(everyone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's partial ``[P, n, h, d + 1]`` (out, then lse) merged exactly: ``(out [1, n, h, d], lse)``."""
+    lses = everyone[..., -1].transpose(1, 2)  # [P, h, n]
+    m = lses.amax(0, keepdim=True)
+    num, den = merge.merge_weights(everyone[..., :-1], lses, m.expand_as(lses))
+    return merge.merge_finish(num.sum(0, keepdim=True), den.sum(0, keepdim=True), m)
+
+
+_ATTEND = Step(run=(Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part")),
+               after=(Local("same", "part", "out"),))
+#: a decode step's program by how the ranks' partials merge: None (one rank), "all_reduce" (the maximum
+#: lse, then the weighted sums) or "all_gather" (every partial, merged on every rank)
+DECODE = {
+    None: [_ATTEND],
+    "all_reduce": [
+        Step(run=(Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part"))),
+        Step(before=(LseMax("part", "m"),), comm=(CommOp("all_reduce", 0, send="m", reduce_op="max"),)),
+        Step(before=(Weigh("part", "m", "num", "den"), Local("cat", ("num", "den"), "nd")),
+             comm=(CommOp("all_reduce", 0, send="nd"),), after=(Local("finish", ("nd", "m"), "out"),))],
+    "all_gather": [
+        Step(run=(Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part"))),
+        Step(before=(Local("with_lse", "part", "mine"),), comm=(CommOp("all_gather", 0, send="mine", recv="all"),),
+             after=(Local("merge_all", "all", "out"),))],
+}
+#: a second turn's new queries to the tokens cached before it, every rank's queries gathered ("pass_q")
+PASS_Q = [
+    Step(comm=(CommOp("all_gather", 0, send="q0", recv="qs"),), after=(Local("queries", "qs", "q"),)),
+    Step(run=(Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part"))),
+    Step(before=(LseMax("part", "m"),), comm=(CommOp("all_reduce", 0, send="m", reduce_op="max"),)),
+    Step(before=(Weigh("part", "m", "num", "den"), Local("cat", ("num", "den"), "nd"), Local("split", "nd", "nds")),
+         comm=(CommOp("reduce_scatter", 0, send="nds", recv="nd_mine"),),
+         after=(Local("mine", ("nd_mine", "m"), "out"),))]
+#: ... or every rank's cached keys and values gathered ("pass_kv")
+PASS_KV = [
+    Step(before=(Local("padded", "kv0", "kv_mine"),), comm=(CommOp("all_gather", 0, send="kv_mine", recv="kv_all"),),
+         after=(Local("unpadded", "kv_all", "kv"),)),
+    Step(run=(Zeros("part", "q", output=True), Attend("kv", ("cache",), into="part")),
+         after=(Local("same", "part", "out"),))]
 
 
 @dataclass
@@ -96,6 +152,7 @@ class KVCache:
             raise ValueError(f"extend={extend!r} is unknown; accepted: {', '.join(map(repr, EXTEND_CHOICES))}")
         base = cp.base
         self.comm = base.comm.view(record=False)  # this cache's attention traffic, counted apart
+        self._runtime = Runtime(self.comm, base.mask, base.layout, base.padded_len, backend=base.backend)
         self.topology = base.topology or this_machine(base.world_size, "KVCache")
         self.backend = base.backend
         self.rank, self.world_size = base.rank, base.world_size
@@ -324,19 +381,20 @@ class KVCache:
             allowed &= k_pos[None] > q_pos[:, None] - window
         return allowed
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-                softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q [1, nq, h, d]`` against ``k, v [1, nk, h_kv, d]`` where ``allowed [nq, nk]`` (host): ``(out [1,
-        nq, h, d], lse [1, h, nq])`` in the accumulation dtype (0 and -inf for rows that attend nothing)."""
-        acc = kernels.acc_dtype(q.dtype)
+    def _run(self, steps: list[Step], roles: dict, allowed: torch.Tensor, scale: float, softcap: float | None,
+             fns: dict | None = None):
+        """Run a cache program on the executor: its ``Attend`` reads the keys of ``allowed [queries, keys]``
+        (host; none: the rows stay at out 0, lse -inf); the result is role ``out`` (output accumulators,
+        or the merged ``(out, lse)``)."""
         host = allowed.numpy()  # a host mask: deciding the kernel reads nothing back from a device
-        if k.shape[1] == 0 or not host.any():
-            out = torch.zeros(q.shape, dtype=acc, device=q.device)
-            return out, torch.full((1, q.shape[2], q.shape[1]), -math.inf, dtype=acc, device=q.device)
-        if host.all():
-            return kernels.forward(q, k, v, BlockKind.FULL, scale, None, backend=self.backend, softcap=softcap)
-        return kernels.forward(q, k, v, BlockKind.PARTIAL, scale, allowed.to(q.device), backend=self.backend,
-                               softcap=softcap)
+        n, m = allowed.shape
+        block = None if n * m == 0 or not host.any() else \
+            Block(slice(0, n), slice(0, m), BlockKind.FULL) if host.all() else \
+            Block(slice(0, n), slice(0, m), BlockKind.PARTIAL, allowed)
+        rt = dataclasses.replace(self._runtime, scale=scale, softcap=softcap)
+        out = execute(rt, steps, roles, lambda _: None if block is None else [block], keep=("out",),
+                      transforms={**MERGES, **(fns or {})})["out"]
+        return (out.out, out.lse) if isinstance(out, Accumulators) else out
 
     def _local(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's first ``upto`` cached tokens of ``layer``: ``k, v [1, upto, h_kv, d]``, rows, positions."""
@@ -367,9 +425,11 @@ class KVCache:
         key = ("decode", window)
         if key not in step.masks:
             step.masks[key] = self._mask(step.rows, step.positions, k_row, k_pos, window)
-        out, lse = self._attend(q.transpose(0, 1).contiguous(), k, v, step.masks[key], self._scale(q, softmax_scale),
-                                softcap)
-        out, lse = self._merge_replicated(out, lse)
+        if self.world_size > 1 and self._merge_heads != q.shape[2]:
+            self.last_merge, self._merge_heads = self.decode_merge(q.shape[2]), q.shape[2]
+        how = self.last_merge[0] if self.world_size > 1 else None
+        out, lse = self._run(DECODE[how], {"q": q.transpose(0, 1).contiguous(), "kv0": (k, v)}, step.masks[key],
+                             self._scale(q, softmax_scale), softcap)
         if sinks is not None:
             out, lse = merge.with_sinks(out, lse, sinks)
         return out.transpose(0, 1).to(q.dtype)
@@ -379,30 +439,6 @@ class KVCache:
         if self.merge != "auto":
             return self.merge, "asked for"
         return inference_cost.choose_decode_merge(self.topology, self.rows, heads, self.head_dim)
-
-    def _merge_replicated(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merge every rank's partial ``(out [1, n, h, d], lse [1, h, n])`` of the same queries, on every
-        rank."""
-        if self.world_size == 1:
-            return out, lse
-        d = out.shape[-1]
-        if self._merge_heads != out.shape[2]:
-            self.last_merge, self._merge_heads = self.decode_merge(out.shape[2]), out.shape[2]
-        how = self.last_merge[0]
-        if how == "all_reduce":
-            m = lse.clone()
-            self.comm.all_reduce(m, op="max")
-            num, den = merge.merge_weights(out, lse, m)
-            packed = torch.cat([num, den], dim=-1)
-            self.comm.all_reduce(packed)
-            return merge.merge_finish(packed[..., :d], packed[..., d:], m)
-        mine = torch.cat([out, lse.transpose(1, 2).unsqueeze(-1)], dim=-1)  # [1, n, h, d + 1]
-        everyone = self.comm.new_buffer((self.world_size, *mine.shape[1:]), mine.dtype, mine.device)
-        self.comm.all_gather(everyone, mine)
-        lses = everyone[..., d].transpose(1, 2)  # [P, h, n]
-        m = lses.amax(0, keepdim=True)
-        num, den = merge.merge_weights(everyone[..., :d], lses, m.expand_as(lses))
-        return merge.merge_finish(num.sum(0, keepdim=True), den.sum(0, keepdim=True), m)
 
     def extend_attention(self, layer: int, cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          softmax_scale: float | None = None, window: int | None = None,
@@ -446,21 +482,16 @@ class KVCache:
         k, v, k_row, k_pos = self._local(layer, step.before[self.rank])
         if p == 1:  # the whole cache is here: nothing to exchange
             allowed = self._mask(step.query_rows[0], step.query_positions[0], k_row, k_pos, window)
-            return self._attend(q, k, v, allowed, scale, softcap)
-        queries = self.comm.new_buffer((p, s, h, d), q.dtype, q.device)
-        self.comm.all_gather(queries, q[0].contiguous())
+            return self._run(DECODE[None], {"q": q, "kv0": (k, v)}, allowed, scale, softcap)
         key = ("pass_q", window)
         if key not in step.masks:
             step.masks[key] = self._mask(torch.cat(step.query_rows), torch.cat(step.query_positions), k_row, k_pos,
                                          window)
-        out, lse = self._attend(queries.view(1, p * s, h, d), k, v, step.masks[key], scale, softcap)
-        m = lse.clone()
-        self.comm.all_reduce(m, op="max")
-        num, den = merge.merge_weights(out, lse, m)
-        mine = self.comm.new_buffer((s, h, d + 1), num.dtype, num.device)
-        self.comm.reduce_scatter(mine, torch.cat([num, den], dim=-1).view(p, s, h, d + 1))
-        mine_m = m[:, :, self.rank * s:(self.rank + 1) * s]
-        return merge.merge_finish(mine[None, ..., :d], mine[None, ..., d:], mine_m)
+        fns = {"queries": lambda g: g.view(1, p * s, h, d),
+               "mine": lambda nd_m: merge.merge_finish(nd_m[0][None, ..., :d], nd_m[0][None, ..., d:],
+                                                       nd_m[1][:, :, self.rank * s:(self.rank + 1) * s]),
+               "split": lambda nd: nd.view(p, s, h, d + 1)}
+        return self._run(PASS_Q, {"q0": q[0].contiguous(), "kv0": (k, v)}, step.masks[key], scale, softcap, fns)
 
     def _pass_kv(self, layer: int, q: torch.Tensor, scale: float, window: int | None,
                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,11 +501,6 @@ class KVCache:
         counts = step.before
         longest = max(counts)
         k, v, _, _ = self._local(layer, counts[self.rank])
-        mine = torch.zeros(longest, 2, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
-        mine[:counts[self.rank], 0] = k[0]
-        mine[:counts[self.rank], 1] = v[0]
-        everyone = self.comm.new_buffer((p, *mine.shape), mine.dtype, mine.device)
-        self.comm.all_gather(everyone, mine)
         key = ("pass_kv", window)
         if key not in step.masks:
             pad = [torch.full((longest - n,), -1, dtype=torch.long) for n in counts]
@@ -482,9 +508,18 @@ class KVCache:
             pos = torch.cat([t for r in range(p) for t in (self._positions(r, counts[r]), pad[r])])
             step.masks[key] = self._mask(step.query_rows[self.rank], step.query_positions[self.rank], rows, pos,
                                          window)
-        keys = everyone[:, :, 0].reshape(1, p * longest, self.kv_heads, self.head_dim)
-        values = everyone[:, :, 1].reshape(1, p * longest, self.kv_heads, self.head_dim)
-        return self._attend(q, keys, values, step.masks[key], scale, softcap)
+        def padded(kv):  # this rank's cached keys and values, padded to the fullest rank
+            mine = torch.zeros(longest, 2, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            mine[:counts[self.rank], 0] = kv[0][0]
+            mine[:counts[self.rank], 1] = kv[1][0]
+            return mine
+
+        def unpadded(everyone):
+            flat = everyone.reshape(p * longest, 2, self.kv_heads, self.head_dim)
+            return flat[None, :, 0], flat[None, :, 1]
+
+        return self._run(PASS_KV, {"q": q, "kv0": (k, v)}, step.masks[key], scale, softcap,
+                         {"padded": padded, "unpadded": unpadded})
 
 
 __all__ = ["EXTEND_CHOICES", "KVCache", "MERGE_CHOICES", "Placement"]
