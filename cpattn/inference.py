@@ -29,6 +29,9 @@ positions up to its own (and within a layer's sliding window, when given). Prefi
 cache's communicator, a view of the ContextParallel's whose ``comm_stats()`` counts this cache's
 attention traffic only), and every merge is ``cpattn.core.merge``'s (its pieces as the executor's
 ``LseMax`` / ``Weigh`` actions and the :data:`MERGES` functions).
+
+Why one module over 500 lines: the placement, the token tables and the programs that read them share
+one state, the cache's current step.
 """
 
 from __future__ import annotations
