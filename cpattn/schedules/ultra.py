@@ -55,8 +55,9 @@ from ..planner.messages import ITEMS, Sizes
 from .base import Runtime, Schedule
 
 TAGS = {"forward": 0, "backward": 1}
-#: per input item, the start roles its parts come from (in the order of a message's parts)
-OWN_ROLES = {"q": ("q",), "kv": ("kv0",), "qb": ("q", "dout", "lse", "delta")}
+#: per input item, the start roles its parts come from (in the order of a message's parts); "out": the
+#: final output of rows this rank owns, which a kernel gathers and never receives
+OWN_ROLES = {"q": ("q",), "kv": ("kv0",), "qb": ("q", "dout", "lse", "delta"), "out": ("out",)}
 #: per partial item, the rank's own accumulator of an owned chunk
 OWN_ACC = {"o": "out", "dq": "dq", "dkv": "dkv"}
 
@@ -111,7 +112,7 @@ CODECS: dict[str, Codec] = {
 
 def _seq_dims(item: str) -> tuple[int, ...]:
     """The sequence dimension of each part of an input item (lse and delta are ``[b, h, s]``)."""
-    return {"q": (1,), "kv": (1, 1), "qb": (1, 1, 2, 2)}[item]
+    return {"q": (1,), "kv": (1, 1), "qb": (1, 1, 2, 2), "out": (1,)}[item]
 
 
 def compile_steps(plan, phase: str, rank: int, sizes: Sizes) -> list[Step]:
@@ -264,17 +265,14 @@ class Functions:
         return tuple(t[(slice(None),) * dim + (sl,)] for t, dim in zip(own, _seq_dims(item)))
 
     def _gather(self, item: str, parts: tuple, x: int, values: tuple) -> Any:
-        dims = (1,) if item == "out" else _seq_dims(item)
-        width = 1 if item == "out" else len(OWN_ROLES[item])
+        """An input item over a kernel's chunks that are not this rank's own consecutive ones (those the
+        kernel reads in place): each chunk's parts, own rows or the next message's, concatenated."""
+        width = len(OWN_ROLES[item])
         own, messages = values[:width], iter(values[width:])
-        if all(p is not None for p in parts) and all(a[1] == b[0] for a, b in zip(parts, parts[1:])):
-            got = self._own(item, own, slice(parts[0][0], parts[-1][1])) if item != "out" else \
-                (own[0][:, parts[0][0]:parts[-1][1]],)
-        else:
-            pieces = [(self._own(item, own, slice(*p)) if item != "out" else (own[0][:, slice(*p)],)) if p is not None
-                      else CODECS[item].unpack(next(messages), self.sizes, self.dtype, self.acc) for p in parts]
-            got = tuple(torch.cat([pc[i] for pc in pieces], dims[i]) if len(pieces) > 1 else pieces[0][i]
-                        for i in range(len(dims)))
+        pieces = [self._own(item, own, slice(*p)) if p is not None else
+                  CODECS[item].unpack(next(messages), self.sizes, self.dtype, self.acc) for p in parts]
+        got = tuple(torch.cat([pc[i] for pc in pieces], dim) if len(pieces) > 1 else pieces[0][i]
+                    for i, dim in enumerate(_seq_dims(item)))
         return got if item == "kv" else got[x]
 
 
