@@ -46,6 +46,7 @@ from .core import kernels, merge
 from .core.blocks import Block
 from .core.executor import Accumulators, Runtime, execute
 from .core.masks import BlockKind
+from .core.memo import BoundedCache
 from .core.steps import Attend, CommOp, Local, LseMax, Step, Weigh, Zeros
 from .cost import inference as inference_cost
 from .cost.presets import this_machine
@@ -55,6 +56,8 @@ MERGE_CHOICES = ("auto", *inference_cost.MERGES)
 EXTEND_CHOICES = ("auto", *inference_cost.EXTENDS)
 
 
+#: block lists (and their stacked calls) a cache keeps: those of the last few masks
+STEP_CACHE = 16
 #: the functions the cache programs' ``Local`` actions name: the merge's pieces (``cpattn.core.merge``)
 MERGES = {
     "cat": lambda nd: torch.cat(nd, dim=-1),
@@ -63,6 +66,17 @@ MERGES = {
     "merge_all": lambda everyone: _merge_all(everyone),
     "same": lambda x: x,
 }
+
+
+def _blocks(allowed: torch.Tensor) -> list[Block] | None:
+    """The one block of a cache program's ``Attend`` for ``allowed [queries, keys]`` (host: deciding its
+    kind reads nothing back from a device), or None when nothing is allowed."""
+    host = allowed.numpy()
+    n, m = allowed.shape
+    if n * m == 0 or not host.any():
+        return None
+    return [Block(slice(0, n), slice(0, m), BlockKind.FULL if host.all() else BlockKind.PARTIAL,
+                  None if host.all() else allowed)]
 
 
 def _merge_all(everyone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +169,9 @@ class KVCache:
             raise ValueError(f"extend={extend!r} is unknown; accepted: {', '.join(map(repr, EXTEND_CHOICES))}")
         base = cp.base
         self.comm = base.comm.view(record=False)  # this cache's attention traffic, counted apart
-        self._runtime = Runtime(self.comm, base.mask, base.layout, base.padded_len, backend=base.backend)
+        # its programs' caches hold the last few steps' block lists only: every step brings new masks
+        self._runtime = Runtime(self.comm, base.mask, base.layout, base.padded_len, backend=base.backend,
+                                block_cache=BoundedCache(STEP_CACHE), batch_cache=BoundedCache(STEP_CACHE))
         self.topology = base.topology or this_machine(base.world_size, "KVCache")
         self.backend = base.backend
         self.rank, self.world_size = base.rank, base.world_size
@@ -389,13 +405,10 @@ class KVCache:
         """Run a cache program on the executor: its ``Attend`` reads the keys of ``allowed [queries, keys]``
         (host; none: the rows stay at out 0, lse -inf); the result is role ``out`` (output accumulators,
         or the merged ``(out, lse)``)."""
-        host = allowed.numpy()  # a host mask: deciding the kernel reads nothing back from a device
-        n, m = allowed.shape
-        block = None if n * m == 0 or not host.any() else \
-            Block(slice(0, n), slice(0, m), BlockKind.FULL) if host.all() else \
-            Block(slice(0, n), slice(0, m), BlockKind.PARTIAL, allowed)
         rt = dataclasses.replace(self._runtime, scale=scale, softcap=softcap)
-        out = execute(rt, steps, roles, lambda _: None if block is None else [block], keep=("out",),
+        entry = rt.block_cache.get(("cache mask", id(allowed)), lambda: (allowed, _blocks(allowed)))
+        blocks = entry[1] if entry[0] is allowed else _blocks(allowed)  # one list per mask: its layers share it
+        out = execute(rt, steps, roles, lambda _: blocks, keep=("out",),
                       transforms={**MERGES, **(fns or {})})["out"]
         return (out.out, out.lse) if isinstance(out, Accumulators) else out
 

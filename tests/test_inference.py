@@ -158,3 +158,21 @@ def test_simulated_prefill_scales_and_decode_merges_are_priced():
     rows = icost.decode_estimate(shape, seq, 4, 1, preset("dgx-h100", 4))
     assert {r.merge for r in rows} == set(icost.MERGES) and sum(r.chosen for r in rows) == 1
     assert all(r.merge_comm > 0 and r.total > r.weights for r in rows)
+
+
+def test_a_long_decode_keeps_only_the_last_masks_block_lists():
+    """Every decode step brings a new mask: the cache's programs keep the block lists (and stacked calls)
+    of the last few only, however long it decodes."""
+    from cpattn.inference import STEP_CACHE
+
+    cp = cpattn.ContextParallel(16, "causal", "ring")
+    kv = KVCache(cp, layers=1, kv_heads=2, head_dim=8)
+    kv.place_prompt(cp)
+    q, k, v = (torch.randn(1, 16, h, 8) for h in (4, 2, 2))
+    kv.prefill(0, cp, q, k, v)
+    for _ in range(2 * STEP_CACHE + 5):
+        kv.place_decode()
+        kv.write(0, torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8))
+        kv.decode_attention(0, torch.randn(1, 1, 4, 8))
+    assert len(kv._runtime.block_cache) <= STEP_CACHE and len(kv._runtime.batch_cache) <= STEP_CACHE
+    assert len(kv._runtime.batch_cache) > 0  # the blocks did go through the runtime's stacked calls
