@@ -451,12 +451,11 @@ def _do(rt: Runtime, action, roles: dict[str, Any], blocks_of: BlocksOf,
 
 
 def _rows_of(item: str, value, span: tuple[int, int] | None):
-    """Sequence rows ``span`` of a partial result of ``item`` (a view; ``value`` itself for None)."""
-    if span is None:
-        return (value.out, value.lse) if isinstance(value, Accumulators) else value
-    sl = slice(*span)
+    """Sequence rows ``span`` of a partial result of ``item`` (views; all of it for None). An "o" partial,
+    output accumulators or an ``(out, lse)`` pair, comes as the pair."""
+    sl = slice(None) if span is None else slice(*span)
     if item == "o":
-        out, lse = (value.out, value.lse) if isinstance(value, Accumulators) else value
+        out, lse = value  # Accumulators unpack as (out, lse) too
         return out[:, sl], lse[:, :, sl]
     return value[:, :, sl] if item == "dkv" else value[:, sl]
 
