@@ -49,7 +49,7 @@ def _same(ours, theirs) -> None:
 def test_block_mask_from_structure_equals_create_block_mask(family, rect):
     mask = _families()[family]
     q0, q1, k0, k1 = rect
-    ours = flex_masks.block_mask(mask, q0, q1, k0, k1, torch.device("cpu"))
+    _, ours = flex_masks.Region.rect(mask, q0, q1, k0, k1).block_mask("cpu")
     theirs = create_block_mask(lambda b, h, qi, ki: mask.mask_mod(qi + q0, ki + k0), None, None, q1 - q0, k1 - k0,
                                device="cpu")
     _same(ours, theirs)
@@ -71,8 +71,8 @@ def test_merged_intervals_are_the_row_union():
 def test_a_mask_without_intervals_keeps_its_own_rule():
     mask = M.from_mask_mod(lambda q, k: (q + k) % 3 == 0)
     with pytest.raises(ValueError, match="no key intervals"):
-        flex_masks.tile_kinds(mask, 0, 256, 0, 256)
-    bm = flex_masks.block_mask(mask, 0, 256, 0, 256, torch.device("cpu"))
+        flex_masks.Region.rect(mask, 0, 256, 0, 256).tile_kinds()
+    _, bm = flex_masks.Region.rect(mask, 0, 256, 0, 256).block_mask("cpu")
     qi, ki = torch.arange(256).unsqueeze(1), torch.arange(256).unsqueeze(0)
     assert torch.equal(bm.mask_mod(0, 0, qi, ki), mask.dense(0, 256, 0, 256))
 
@@ -118,7 +118,7 @@ def test_block_masks_at_64k_tokens_from_intervals_alone(family):
     rects = [(i * part, (i + 1) * part, j * part, (j + 1) * part) for i in range(4) for j in range(4)]
     with _NoSquare(part * part) as guard:
         t0 = time.perf_counter()
-        kinds = [flex_masks.tile_kinds(mask, *r) for r in rects]
+        kinds = [flex_masks.Region.rect(mask, *r).tile_kinds() for r in rects]
         seconds = time.perf_counter() - t0
     assert guard.largest < part * part // 16
     assert seconds < 2.0, seconds  # on a busy 2-core machine; about 0.1 s when idle

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .flex_masks import Region
 from .layout import Layout
 from .masks import BlockKind, CausalMask, FullMask, Mask
 
@@ -43,7 +44,7 @@ class Block:
     q: slice  # local query rows
     kv: slice  # local key/value rows
     kind: BlockKind  # FULL, CAUSAL or PARTIAL (never EMPTY)
-    mask: torch.Tensor | None = None  # bool [q rows, kv rows] for PARTIAL
+    mask: torch.Tensor | Region | None = None  # bool [q rows, kv rows] for PARTIAL, or its structure
     flip: bool = False  # CAUSAL on reversed rows and keys: local row i attends local columns >= i
     pairs: int | None = None  # PARTIAL without its mask (a shape to price): its allowed pairs
 
@@ -51,7 +52,7 @@ class Block:
         """Boolean ``[q rows, kv rows]``: which local pairs this block computes."""
         n, m = self.q.stop - self.q.start, self.kv.stop - self.kv.start
         if self.kind == BlockKind.PARTIAL:
-            return self.mask
+            return self.mask.dense() if isinstance(self.mask, Region) else self.mask
         ones = torch.ones(n, m, dtype=torch.bool)
         if self.kind == BlockKind.FULL:
             return ones
@@ -65,6 +66,8 @@ class Block:
             return n * m
         if self.kind == BlockKind.CAUSAL:
             return n * (n + 1) // 2
+        if isinstance(self.mask, Region):
+            return self.mask.area
         return int(self.mask.sum()) if self.mask is not None else int(self.pairs)
 
 
@@ -128,14 +131,29 @@ def _fuse_full(blocks: list[Block]) -> list[Block]:
 
 
 def rectangles(mask: Mask, q_ranges: Sequence[tuple[int, int]], kv_ranges: Sequence[tuple[int, int]],
-               valid_len: int | None = None, tile: int = PARTIAL_TILE, dense: bool = True) -> list[Block]:
+               valid_len: int | None = None, tile: int = PARTIAL_TILE, dense: bool = True,
+               regions: bool = False) -> list[Block]:
     """Blocks for local queries at global ``q_ranges`` against local keys at ``kv_ranges`` (both in
     local order). Positions ``>= valid_len`` are padding and never covered. ``dense=False``: the same
     blocks with PARTIAL ones carrying their pair count instead of their mask (shapes to price, several
-    times cheaper to make)."""
+    times cheaper to make). ``regions``: where that would take more than one block, or a PARTIAL one,
+    one PARTIAL block over all the rows and columns instead, its mask a
+    :class:`~cpattn.core.flex_masks.Region` (one FlexAttention call, its block mask built from the mask's
+    structure)."""
+    q_parts, kv_parts = _parts(q_ranges, valid_len), _parts(kv_ranges, valid_len)
+    out = _rectangles(mask, q_parts, kv_parts, tile, dense and not regions)
+    if regions and (len(out) > 1 or any(b.kind == BlockKind.PARTIAL for b in out)):
+        region = Region(mask, tuple(q_parts), tuple(kv_parts), sum(b - a for a, b in q_ranges),
+                        sum(b - a for a, b in kv_ranges))
+        return [Block(slice(0, region.s_q), slice(0, region.s_kv), BlockKind.PARTIAL, region)]
+    return out
+
+
+def _rectangles(mask: Mask, q_parts: list[tuple[int, int, int]], kv_parts: list[tuple[int, int, int]], tile: int,
+                dense: bool) -> list[Block]:
     out: list[Block] = []
-    for qa, qb, qo in _parts(q_ranges, valid_len):
-        for ka, kb, ko in _parts(kv_ranges, valid_len):
+    for qa, qb, qo in q_parts:
+        for ka, kb, ko in kv_parts:
             rects: list[tuple[int, int, int, int, BlockKind, bool]] = []
             _split(mask, qa, qb, ka, kb, tile, rects)
             for a, b, c, d, kind, flip in rects:
@@ -218,9 +236,12 @@ def batches(blocks: Sequence[Block], max_rows: int = BATCH_ROWS, max_mask: int =
     into stacked calls whose blocks have disjoint query rows and at most ``max_rows`` rows on either
     side; a PARTIAL group also at most ``max_mask`` mask elements in all."""
     groups: dict[tuple, list[Block]] = {}
-    for b in blocks:
-        groups.setdefault((b.kind, b.q.stop - b.q.start, b.kv.stop - b.kv.start), []).append(b)
     out: list[Batch] = []
+    for b in blocks:
+        if isinstance(b.mask, Region):  # one call of its own
+            out.append(Batch(b.kind, (b,)))
+        else:
+            groups.setdefault((b.kind, b.q.stop - b.q.start, b.kv.stop - b.kv.start), []).append(b)
     for (kind, n_q, n_kv), group in groups.items():
         cap = max(1, max_rows // max(n_q, n_kv))
         if kind == BlockKind.PARTIAL:
@@ -274,10 +295,10 @@ def striped(mask: Mask, local_len: int, q_rank: int, kv_rank: int, q_real: int |
 
 
 def for_ranks(mask: Mask, layout: Layout, seq_len: int, world: int, q_rank: int | Sequence[int],
-              kv_ranks: Sequence[int], valid_len: int | None = None) -> list[Block]:
+              kv_ranks: Sequence[int], valid_len: int | None = None, regions: bool = False) -> list[Block]:
     """Blocks of the queries of ``q_rank`` (one rank, or several concatenated in that order) against the
     keys of ``kv_ranks`` concatenated in that order. ``seq_len`` is the (padded) length the layout
-    splits; positions ``>= valid_len`` are padding."""
+    splits; positions ``>= valid_len`` are padding; ``regions`` as in :func:`rectangles`."""
     q_ranks = [q_rank] if isinstance(q_rank, int) else list(q_rank)
     if layout.name == "striped":
         if len(kv_ranks) != 1 or len(q_ranks) != 1:
@@ -287,4 +308,4 @@ def for_ranks(mask: Mask, layout: Layout, seq_len: int, world: int, q_rank: int 
                        *(real if real is not None else (None, None)))
     q_ranges = [r for i in q_ranks for r in layout.ranges(seq_len, world, i)]
     kv_ranges = [r for j in kv_ranks for r in layout.ranges(seq_len, world, j)]
-    return rectangles(mask, q_ranges, kv_ranges, valid_len)
+    return rectangles(mask, q_ranges, kv_ranges, valid_len, regions=regions)

@@ -55,6 +55,7 @@ class Runtime:
     plan: Plan | None = None  # a schedule that plans (``Schedule.make_plan``): the plan of this call
     sinks: torch.Tensor | None = None  # per-head sink logits ``[h]`` of this call (None: no sinks)
     softcap: float | None = None  # scores soft-capped as tanh(s / softcap) * softcap (None: not capped)
+    regions: bool = False  # a step's blocks of one rank as one call (``blocks.rectangles``; ``kernels.region_calls``)
     block_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
     batch_cache: BoundedCache = field(default_factory=BoundedCache, repr=False)  # owned by the ContextParallel
 
@@ -80,10 +81,10 @@ class Runtime:
     def blocks(self, q_rank: int | list[int], kv_ranks: list[int]) -> list[blocks_mod.Block]:
         """Cached block list of the queries of ``q_rank`` (a rank, or several concatenated in that
         order) against ``kv_ranks``' keys (concatenated in that order); padding is never covered."""
-        key = (q_rank if isinstance(q_rank, int) else tuple(q_rank), tuple(kv_ranks))
+        key = (q_rank if isinstance(q_rank, int) else tuple(q_rank), tuple(kv_ranks), self.regions)
         return self.block_cache.get(key, lambda: blocks_mod.for_ranks(self.mask, self.layout, self.padded_len,
                                                                       self.world, q_rank, list(kv_ranks),
-                                                                      self.seq_len))
+                                                                      self.seq_len, self.regions))
 
 
     def batches(self, blocks: list[blocks_mod.Block], device: torch.device) -> list[Run]:

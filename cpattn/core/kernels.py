@@ -4,7 +4,8 @@ Tensors are ``[b, s, h, d]`` (q) and ``[b, s_kv, h_kv, d]`` (k, v) with ``h % h_
 head i uses key/value head ``i // (h // h_kv)``). A block has a :class:`~cpattn.masks.BlockKind`: FULL,
 CAUSAL (square, local row i attends local columns <= i; square makes top-left and bottom-right
 alignment the same, so every kernel's causal flag means the same thing) or PARTIAL (explicit boolean
-``mask [s_q, s_kv]``).
+``mask [s_q, s_kv]``, or a :class:`~cpattn.core.flex_masks.Region`: the mask's structure over the
+block, which ``flex_cuda`` turns into a block mask and the other paths into the boolean matrix).
 
 - ``forward(q, k, v, kind, scale, mask) -> (out [b, s_q, h, d], lse [b, h, s_q])``
 - ``backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None) -> (dq, dk, dv)``
@@ -52,7 +53,8 @@ from functools import cache
 import torch
 
 from . import kernel_table, kernels_cuda, trace
-from .masks import BlockKind
+from .flex_masks import Region
+from .masks import BlockKind, CausalMask, FullMask
 
 BACKENDS = ("auto", "aten", "flash_attn", "math")
 #: every kernel path :func:`choose_kernel` can return
@@ -254,8 +256,28 @@ def _check_block(q: torch.Tensor, k: torch.Tensor, kind: BlockKind, mask: torch.
         raise ValueError(f"a CAUSAL block must be square, got s_q={q.shape[1]} s_kv={k.shape[1]}")
     if kind == BlockKind.PARTIAL:
         shape = (q.shape[1], k.shape[1]) if pieces is None else (pieces, q.shape[1], k.shape[1])
-        if mask is None or mask.shape != shape or mask.dtype != torch.bool:
-            raise ValueError(f"a PARTIAL block needs a bool mask of shape {shape}")
+        if isinstance(mask, Region) and pieces is None:
+            if (mask.s_q, mask.s_kv) != shape:
+                raise ValueError(f"a PARTIAL block's region is {mask.s_q} x {mask.s_kv}, its tensors {shape}")
+        elif mask is None or mask.shape != shape or mask.dtype != torch.bool:
+            raise ValueError(f"a PARTIAL block needs a bool mask of shape {shape} (or a Region, unstacked)")
+
+
+def _mask_for(path: str, mask):
+    """A PARTIAL block's mask as ``path`` takes it: a :class:`~cpattn.core.flex_masks.Region` stays one on
+    ``flex_cuda`` (its block mask comes from its structure) and is made dense for the other paths, which
+    take a boolean matrix (small blocks only: a region is chosen only where ``flex_cuda`` runs it,
+    :func:`region_calls`)."""
+    return mask.dense() if isinstance(mask, Region) and path != "flex_cuda" else mask
+
+
+def region_calls(q: torch.Tensor, mask, backend: str = "auto", softcap: float | None = None) -> bool:
+    """Whether the blocks of one rank's step run as one call per region (``cpattn.core.blocks.rectangles``
+    with ``regions``): where PARTIAL blocks run on ``flex_cuda`` and ``mask`` (a ``cpattn.masks.Mask``)
+    is neither causal nor full, whose blocks the dense kernels run faster."""
+    if isinstance(mask, (CausalMask, FullMask)):
+        return False
+    return kernel_for(q, BlockKind.PARTIAL, backend, softcap=softcap) == "flex_cuda"
 
 
 # --------------------------------------------------------------------------------------- GQA
@@ -444,14 +466,15 @@ def _check_softcap(path: str, softcap: float | None) -> dict:
 def _run_forward(path, q, k, v, kind, scale, mask, expand, softcap=None):
     groups = _expands(path, q, k, expand)
     extra = _check_softcap(path, softcap)
-    out, lse = _FORWARD[path](q, expand_kv(k, groups), expand_kv(v, groups), kind, scale, mask, **extra)
+    out, lse = _FORWARD[path](q, expand_kv(k, groups), expand_kv(v, groups), kind, scale, _mask_for(path, mask),
+                              **extra)
     acc = acc_dtype(q.dtype)
     return out.to(acc), lse.to(acc)
 
 
 def _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand, delta=None, softcap=None):
     groups = _expands(path, q, k, expand)
-    args = (dout, q, expand_kv(k, groups), expand_kv(v, groups), out, lse, kind, scale, mask)
+    args = (dout, q, expand_kv(k, groups), expand_kv(v, groups), out, lse, kind, scale, _mask_for(path, mask))
     extra = _check_softcap(path, softcap)
     if delta is not None and path in DELTA_PATHS:
         extra["delta"] = delta

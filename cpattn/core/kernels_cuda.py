@@ -22,8 +22,11 @@ What each op assumes, and how it is met here:
 - dropout is always 0: the random-state tensors the backward ops take are placeholders, taken once per
   device from a real forward call so their dtype, shape and device are what this torch build expects.
 
-PARTIAL blocks run FlexAttention with a block mask built from the block's dense boolean mask, compiled
-once per process with ``torch.compile``. Its public API has no backward that takes an external ``out``
+PARTIAL blocks run FlexAttention, compiled once per process with ``torch.compile``. A region (one call
+over a rank's whole step, ``cpattn.core.flex_masks.Region``) brings its block mask from the mask's
+structure, and its ``mask_mod`` reads tensors, so new documents or offsets are new data for the compiled
+kernel, not new code; a dense boolean mask (blocks from ``cpattn.core.blocks`` without regions) gets one
+built from it. Its public API has no backward that takes an external ``out``
 and ``lse``; its backward *operator* does (:func:`flex_fused_backward`, lse in log2 units), so the
 backward runs no second forward. A torch without that operator (:func:`flex_backward_op` is None)
 recomputes the block under autograd instead (:func:`grads_through_block`).
@@ -41,6 +44,7 @@ from functools import cache
 import torch
 
 from . import memo
+from .flex_masks import Region
 from .masks import BlockKind
 
 #: the memory-efficient op pads lse to this many rows (ROCm builds do not pad)
@@ -214,7 +218,11 @@ def _flex_mask(q, k, kind, mask):
     for FULL. Both are kept in the run's cache (``memo.cached``: the ``ContextParallel``'s, bounded), a
     PARTIAL one per mask tensor (its identity and version: an in-place change builds again), since the
     executor keeps each block list's masks on the device across calls: a steady-state call builds none
-    and hands the compiled kernel the same ``mask_mod`` every time."""
+    and hands the compiled kernel the same ``mask_mod`` every time. A region
+    (:class:`~cpattn.core.flex_masks.Region`) is kept per its value: built once from the mask's structure,
+    with no dense matrix and no copy from the host after that."""
+    if isinstance(mask, Region):
+        return memo.cached(("flex_region", mask, str(q.device)), lambda: mask.block_mask(q.device))
     if kind == BlockKind.PARTIAL:
         key = ("flex_partial_mask", id(mask), mask._version, q.shape[0], str(q.device))
         _, empty, block_mask = memo.cached(key, lambda: _partial_mask(mask, q.shape[0], q.device))
@@ -248,8 +256,8 @@ def flex_block(q, k, v, mask, scale, compiled: bool = True, kind=BlockKind.PARTI
 
 
 def flex_forward(q, k, v, kind, scale, mask, compiled: bool = True, softcap: float | None = None):
-    with torch.no_grad():
-        return flex_block(q, k, v, mask, scale, compiled, kind, softcap)
+    with torch.no_grad():  # detached: the CPU's FlexAttention refuses inputs that require grad
+        return flex_block(q.detach(), k.detach(), v.detach(), mask, scale, compiled, kind, softcap)
 
 
 @cache

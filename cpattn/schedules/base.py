@@ -36,7 +36,7 @@ from ..core.executor import (
     check_program,
     execute,
 )
-from ..core.kernels import acc_dtype
+from ..core.kernels import acc_dtype, region_calls
 from ..core.layout import Layout
 from ..core.masks import BlockKind, Mask
 from ..core.merge import sink_grad, with_sinks
@@ -331,11 +331,18 @@ def site_slot(handle: int) -> torch.Tensor:
     return torch.tensor(handle, dtype=torch.int64)
 
 
+def _for_call(rt: Runtime, q: torch.Tensor, sinks: torch.Tensor, softcap: float | None) -> Runtime:
+    """The runtime of one call: its sinks and soft-cap, and whether a rank's step runs as one call per
+    region (``kernels.region_calls``: on the device and path of ``q``)."""
+    return dataclasses.replace(rt, sinks=sinks if sinks.numel() else None, softcap=softcap,
+                               regions=region_calls(q, rt.mask, rt.backend, softcap))
+
+
 def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, family: int, slot: torch.Tensor,
                     softmax_scale: float | None, sinks: torch.Tensor, softcap: float | None
                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     schedule, rt = _slot_site(slot).prepare(q, k, v, softmax_scale)
-    rt = dataclasses.replace(rt, sinks=sinks if sinks.numel() else None, softcap=softcap)
+    rt = _for_call(rt, q, sinks, softcap)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     with memo.scope(rt.block_cache):
         out, lse, saved = schedule.forward(rt, q, k, v)
@@ -369,7 +376,7 @@ def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
                              softmax_scale: float | None, sinks: torch.Tensor, softcap: float | None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     schedule, rt = _slot_site(slot).runtime(q, k, softmax_scale)
-    rt = dataclasses.replace(rt, sinks=sinks if sinks.numel() else None, softcap=softcap)
+    rt = _for_call(rt, q, sinks, softcap)
     dout = dout.contiguous()
     with memo.scope(rt.block_cache):  # out and lse are final (sinks merged in): the kernels' P and D are exact
         dq, dk, dv = schedule.backward(rt, dout, q, k, v, out, lse, tuple(saved))

@@ -355,9 +355,9 @@ class UltraSchedule(Schedule):
         def cover() -> list[blocks_mod.Block]:
             return [dataclasses.replace(b, q=slice(b.q.start + r0, b.q.stop + r0),
                                         kv=slice(b.kv.start + c0, b.kv.stop + c0))
-                    for b in blocks_mod.rectangles(rt.mask, rows, cols, valid)]
+                    for b in blocks_mod.rectangles(rt.mask, rows, cols, valid, regions=rt.regions)]
 
-        return rt.block_cache.get(("ultra cell", rows, cols, valid, r0, c0), cover)
+        return rt.block_cache.get(("ultra cell", rows, cols, valid, r0, c0, rt.regions), cover)
 
 
 __all__ = ["CODECS", "Codec", "Functions", "UltraSchedule", "compile_steps", "plan_sizes"]
