@@ -13,7 +13,6 @@ communicator, runtime, caches, views and plans), and every method reads that sta
 from __future__ import annotations
 
 import contextvars
-import copy
 import dataclasses
 import json
 import logging
@@ -308,7 +307,7 @@ class ContextParallel:
         try:
             resolved = resolve(mask)
             fresh = resolved != base.mask and resolved not in base._views
-            view = base if resolved == base.mask else base._views.get(resolved, lambda: base._view(resolved))
+            view = base if resolved == base.mask else base._views.get(resolved, lambda: MaskView(base, resolved))
         except (ValueError, TypeError, NotImplementedError) as exc:
             error = exc
         if base.check == "always" or (base.check == "first" and fresh):
@@ -316,23 +315,6 @@ class ContextParallel:
             agree.agree(base._setup, "ContextParallel.with_mask", {"mask": text}, error, base._exchange_device)
         elif error is not None:
             raise error
-        return view
-
-    def _view(self, mask: Mask) -> ContextParallel:
-        """A new view of this (base) object for ``mask``, checked on this rank only."""
-        self.schedule.check_mask(mask)
-        mask.check_seq_len(self.seq_len)
-        view = copy.copy(self)
-        view.mask, view._base = mask, self
-        view._checked = set()  # a view runs its own first-call checks
-        view._memo = BoundedCache(MEMO_KEPT)
-        with memo.scope(view._memo):
-            view.layout, view.padded_len = view._choose_layout(self._layout_arg, self.seq_len)
-        view._runtime = Runtime(self.comm, mask, view.layout, view.padded_len, backend=self.backend,
-                                topology=self.topology, seq_len=self.seq_len, block_cache=view._memo)
-        view._plans = BoundedCache(PLANS_KEPT)
-        view._site = register_site(view)
-        view._slot = site_slot(view._site)
         return view
 
     # ------------------------------------------------------------------ properties
@@ -690,3 +672,30 @@ class ContextParallel:
 
     def reset_comm_stats(self) -> None:
         self.comm.reset_stats()
+
+
+class MaskView(ContextParallel):
+    """What :meth:`ContextParallel.with_mask` returns: a ContextParallel for another mask over its base's
+    ``seq_len``. It shares the base's group, communicators, schedule, topology, backend, check mode and
+    views, and owns what depends on the mask: the layout chosen for it, the caches (block lists, block
+    masks, plans), the runtime, the op's site and its first-call checks (a view's first call is checked
+    as a new object's is). Made on this rank only (``with_mask`` agrees on the mask)."""
+
+    def __init__(self, base: ContextParallel, mask: Mask) -> None:  # nothing collective: no super().__init__
+        base.schedule.check_mask(mask)
+        mask.check_seq_len(base.seq_len)
+        self._base, self.mask = base, mask
+        self.comm, self._setup, self._exchange_device = base.comm, base._setup, base._exchange_device
+        self._places, self._fingerprint, self._views = base._places, base._fingerprint, base._views
+        self.check, self.memory_limit, self.topology = base.check, base.memory_limit, base.topology
+        self.schedule, self.backend, self.seq_len, self._layout_arg = (base.schedule, base.backend, base.seq_len,
+                                                                       base._layout_arg)
+        self._memo = BoundedCache(MEMO_KEPT)
+        with memo.scope(self._memo):
+            self.layout, self.padded_len = self._choose_layout(base._layout_arg, base.seq_len)
+        self._runtime = Runtime(self.comm, mask, self.layout, self.padded_len, backend=self.backend,
+                                topology=self.topology, seq_len=self.seq_len, block_cache=self._memo)
+        self._plans = BoundedCache(PLANS_KEPT)
+        self._checked: set = set()
+        self._site = register_site(self)
+        self._slot = site_slot(self._site)

@@ -159,8 +159,9 @@ def test_cases_cover_every_schedule():
     assert {c.schedule for c in DENSE} == set(schedules.names()) - OWN_BLOCKS
 
 
-@pytest.mark.parametrize("case", DENSE, ids=[c.label for c in DENSE])
-def test_schedule_is_exact_with_one_call_per_region(worlds, case):
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.mask == "sliding_window" else c
+                                  for c in DENSE], ids=[c.label for c in DENSE])
+def test_schedule_is_exact_with_one_call_per_region(worlds, case):  # windows: the slow suite
     try:
         per_rank = worlds.get(2).run(region_workers.region_case, timeout=120, name=case.label,
                                      **dataclasses.asdict(case))
