@@ -68,13 +68,13 @@ class ToyPlanned(Schedule):
         gather = (CommOp("all_gather", problem.kv_bytes, send="kv0", recv="kv_all"),)
         others = plan.order[rank]
         if phase == "forward":
-            return [Step((), gather, run=(Zeros("out", "q", output=True), Attend("kv0", ("own",)))),
+            return [Step(gather, run=(Zeros("out", "q", output=True), Attend("kv0", ("own",)))),
                     Step(run=tuple(Attend("kv_all", ("other", j), index=j) for j in others))]
         scatter = CommOp("reduce_scatter", problem.dkv_bytes, send="dkv_all", recv="dkv")
-        return [Step((), gather, run=(Zeros("dq", "q"), Zeros("dkv_all", "kv0", count=problem.world),
+        return [Step(gather, run=(Zeros("dq", "q"), Zeros("dkv_all", "kv0", count=problem.world),
                                       AttendBack("kv0", ("own",), "dkv_all", dkv_index=OWN))),
                 Step(run=tuple(AttendBack("kv_all", ("other", j), "dkv_all", index=j, dkv_index=j) for j in others)),
-                Step((), (scatter,), overlap=False)]
+                Step((scatter,), overlap=False)]
 
 
 def registered():

@@ -179,7 +179,7 @@ def _check_volume(sched: Schedule, problem: Problem) -> None:
     the recording tests in test_spec.py)."""
     world = problem.world
     for phase in ("forward", "backward"):
-        steps = sched.steps(problem, phase)
+        steps = sched.program(problem, phase)
         for step in steps:
             assert sum(n for _, n in step.work) in (0, world), (sched.name, phase)
         for rank in range(world):
@@ -190,7 +190,7 @@ def _check_volume(sched: Schedule, problem: Problem) -> None:
 def _check_pairs(sched: Schedule, problem: Problem) -> None:
     """``sched``'s steps compute every allowed (query, key) pair exactly once for every query head."""
     for phase in ("forward", "backward"):
-        steps = sched.steps(problem, phase)
+        steps = sched.program(problem, phase)
         done = sum(k.area * (k.heads or problem.heads) * calls * ranks
                    for st_ in steps for w, ranks in st_.work for k, calls in w)
         assert done == problem.allowed_pairs() * problem.heads, (sched.name, phase)
@@ -321,7 +321,7 @@ def test_head_split_tags_kernels_and_counts_ranks():
 
 def test_ulysses_splits_the_work_evenly_over_heads():
     problem = Problem(8 * 512, 8, "causal", heads=32, kv_heads=8)
-    steps = schedules.get("ulysses").steps(problem, "forward")
+    steps = schedules.get("ulysses").program(problem, "forward")
     [(w, ranks)] = [wr for st_ in steps for wr in st_.work if wr[0]]
     assert ranks == 8 and [(k.heads, k.kv_heads, k.q_len, k.kv_len) for k, _ in w] == [(4, 1, 4096, 4096)]
     flops = sum(k.flops(problem, "forward") * n for k, n in w)
@@ -396,7 +396,7 @@ def test_pipelined_ringx_hides_communication_with_a_second_buffer(plain, world):
 def test_ringx2_skips_the_steps_nobody_shares():
     problem = Problem(4 * 64, 4, "causal", heads=4, kv_heads=2, head_dim=8)
     sched = schedules.get("ringx2")
-    forward, backward = sched.steps(problem, "forward"), sched.steps(problem, "backward")
+    forward, backward = sched.program(problem, "forward"), sched.program(problem, "backward")
     # the unshared diagonal, then P - 1 owners (without overlap, an owner's broadcast, compute, lse maximum
     # and reduces are steps one after the other)
     assert [sum(op.op == "broadcast" for st_ in steps for op in st_.comm) for steps in (forward, backward)] == [3, 3]
@@ -666,3 +666,50 @@ def test_shared_cores_time_steps_by_processor_sharing():
     local4 = presets.local(4, _profile(), cores=2)
     assert (local4.cores, local4.threads_per_rank) == (2.0, 1)
     assert presets.local(1, _profile(), cores=2).threads_per_rank == 2
+
+
+class _Rank:
+    """A communicator stand-in with only what block lists read: this rank and the world size."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world_size = rank, world
+
+
+PRICED_MASKS = {"causal": masks.causal(), "full": masks.full(), "document": masks.document([50, 101, 1, 88]),
+                "window": masks.sliding_window(37), "bidirectional": masks.document([120, 120], causal=False)}
+
+
+def _accepts(sched: Schedule, mask) -> bool:
+    try:
+        sched.check_mask(mask)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name,mask", [(n, m) for n in schedules.names() if schedules.get(n).make_plan is None
+                                       for m in PRICED_MASKS if _accepts(schedules.get(n), PRICED_MASKS[m])])
+def test_priced_work_is_what_the_executor_runs(name, mask):
+    """One declaration of compute: each step's ``work`` (what the cost model times) is priced from its
+    compute actions' sources, and equals, rank by rank, the kernels of the blocks those sources name on
+    that rank through ``blocks_of``, the executor's own resolution (closed forms or not)."""
+    from cpattn.core.executor import Runtime
+    from cpattn.core.steps import Kernel, distribution, sources, work
+
+    sched, the_mask = schedules.get(name), PRICED_MASKS[mask]
+    for world, seq in ((1, 240), (2, 240), (3, 234), (4, 240)):
+        problem = Problem(seq, world, the_mask, heads=8, kv_heads=2, head_dim=8, padded_len=240 + -240 % (2 * world))
+        if name in HEAD_SPLIT and 8 % world:
+            continue
+        layout = problem.layout_or(sched.layout_for(the_mask))
+        runtimes = [Runtime(_Rank(r, world), the_mask, layout, problem.padded_len, seq_len=seq) for r in range(world)]
+        for phase in ("forward", "backward"):
+            for st in sched.program(problem, phase):
+                def kernels(rt):
+                    for src in sources(st):
+                        heads = (src[3], src[4]) if src[0] == "groups" else (0, 0)
+                        for b in sched.blocks_of(rt, src) or ():
+                            yield Kernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area,
+                                         *heads), 1
+                want = distribution(work(kernels(rt)) for rt in runtimes) if sources(st) else ()
+                assert st.work == want, (name, world, phase)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from unittest import mock
 
 import pytest
 import region_workers

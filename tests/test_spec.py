@@ -135,7 +135,7 @@ def test_a_serialised_plan_fails(worlds):
 
 # ---------------------------------------------------------------------------------- the comparison itself
 K = Kernel("full", 4, 4, 16)
-STEPS = [Step(((work([(K, 1)]), 2),), (CommOp("sendrecv", 64),)), Step(((work([(K, 1)]), 2),))]
+STEPS = [Step((CommOp("sendrecv", 64),), work=((work([(K, 1)]), 2),)), Step(work=((work([(K, 1)]), 2),))]
 
 
 def _events(*items) -> list[dict]:
@@ -168,7 +168,7 @@ def test_check_steps_names_undeclared_missing_and_unwaited_messages():
     assert any("does not declare" in p for p in problems) and any("never ran" in p for p in problems)
     unwaited = _events(("issue", 0, "send", 64, 0), ("issue", 0, "recv", 0, 64), ("compute",))
     assert any("never waited" in p for p in verify.check_steps(STEPS, unwaited, rank=0, world=2)["problems"])
-    late = [Step((), (CommOp("broadcast", 8, root=0),)), Step((), (CommOp("all_reduce", 8),))]
+    late = [Step((CommOp("broadcast", 8, root=0),)), Step((CommOp("all_reduce", 8),))]
     swapped = _events(("issue", 0, "all_reduce", 8, 8), ("wait", 0), ("issue", 1, "broadcast", 0, 8), ("wait", 1))
     assert any("after an op of step" in p for p in verify.check_steps(late, swapped, rank=1, world=2)["problems"])
 

@@ -123,7 +123,8 @@ class Region:
         # rows do; a short last query tile has fewer rows, and no interval covers a short last key tile whole
         touched = touched.view(nq, nk + 1).cumsum(1)[:, :nk]
         covered = covered.view(nq, nk + 1).cumsum(1)[:, :nk]
-        kinds = torch.where(touched > 0, PARTIAL_TILE, EMPTY_TILE).to(torch.int8).masked_fill(covered == tile, FULL_TILE)
+        kinds = torch.where(touched > 0, PARTIAL_TILE, EMPTY_TILE).to(torch.int8)
+        kinds = kinds.masked_fill(covered == tile, FULL_TILE)
         if not narrow:
             return kinds, empty, None
         return kinds, empty, (kept[0], kept[1])

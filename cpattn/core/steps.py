@@ -387,25 +387,30 @@ def group_size(group: str, world: int, topology=None) -> int:
 
 @dataclass(frozen=True)
 class Step:
-    """One synchronised step. ``work``: ``((Work, ranks), ...)``, what the ranks compute (their
-    counts sum to the world size; an idle rank has empty work). ``comm``: the ops issued in the step,
-    sharing the links (their times add). ``overlap``: the ops run during the compute (True) or after
-    it (False). ``live_bytes``: schedule buffers and accumulators alive on a rank during the step,
-    beyond the resident inputs and outputs (bytes).
+    """One synchronised step. ``comm``: the ops issued in the step, sharing the links (their times add).
+    ``overlap``: the ops run during the compute (True) or after it (False). ``live_bytes``: schedule
+    buffers and accumulators alive on a rank during the step, beyond the resident inputs and outputs
+    (bytes).
 
     The program (``cpattn.core.executor`` runs it on every rank): ``before``, actions that prepare what the
     step's ops send; ``run``, the actions of the step's compute, during which the ops of ``comm`` are
     in flight when ``overlap``; ``after``, actions once they have landed. Actions name buffer roles
     and rank-independent sources, so one step list serves every rank (not part of the step's
-    identity)."""
+    identity).
 
-    work: tuple[tuple[Work, int], ...] = ()
+    ``work``: ``((Work, ranks), ...)``, what the ranks compute (their counts sum to the world size; an
+    idle rank has empty work), the cost model's view of ``run``. A schedule never writes it:
+    ``Schedule.program`` prices it from the sources of ``run``'s compute actions (:func:`sources`,
+    ``Schedule.work_of``), so the compute the executor runs and the compute the cost model times have
+    one declaration."""
+
     comm: tuple[CommOp, ...] = ()
     overlap: bool = True
     live_bytes: int = 0
     run: tuple[Action, ...] = field(default=(), compare=False)
     after: tuple[Action, ...] = field(default=(), compare=False)
     before: tuple[Action, ...] = field(default=(), compare=False)
+    work: tuple[tuple[Work, int], ...] = ()
 
 
 # ---------------------------------------------------------------------- actions (the executor's program)
@@ -533,6 +538,13 @@ class Local:
 Action = Attend | AttendBack | Zeros | Add | LseMax | Weigh | Land | Fold | Local
 
 
+def sources(step: Step) -> tuple[Hashable, ...]:
+    """The block sources of a step's compute actions (``Attend`` / ``AttendBack`` in ``run``), in order:
+    what the step computes, which the executor runs and the cost model prices
+    (``Schedule.blocks_of``, ``Schedule.work_of``)."""
+    return tuple(a.src for a in step.run if isinstance(a, Attend | AttendBack))
+
+
 def distribution(works) -> tuple[tuple[Work, int], ...]:
     """``((Work, ranks), ...)`` from an iterable of per-rank :data:`Work` (sorted, merged)."""
     counts: Counter[Work] = Counter(works)
@@ -542,4 +554,4 @@ def distribution(works) -> tuple[tuple[Work, int], ...]:
 __all__ = ["Action", "Add", "Attend", "AttendBack", "BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES",
            "Fold", "GROUPS", "Kernel", "Land", "Local", "LseMax", "OWN", "PHASES", "Problem", "Step", "TREE_OPS",
            "Weigh", "Work", "Zeros", "area", "attention_flops", "distribution", "group_size", "payload",
-           "split_phase", "wire", "work"]
+           "sources", "split_phase", "wire", "work"]

@@ -212,7 +212,7 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
     total = compute = comm = merge = launch = 0.0
     sent, wired, peak = 0, 0, 0
     for ph in split_phase(phase):
-        steps = sched.steps(problem, ph, topology)
+        steps = sched.program(problem, ph, topology)
         for st in steps:
             per_rank, parts = [], []
             for w, ranks in st.work:

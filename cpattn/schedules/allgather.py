@@ -80,20 +80,20 @@ class AllGather(Schedule):
         attends every other rank's kv (no wait until the end); backward gathers kv again, adds each
         source's dk/dv into its slot of ``dkv_all`` and ends with the reduce-scatter, after all
         compute."""
-        p, shape, pairs = problem.world, problem, self.pairs(problem)
+        p, shape = problem.world, problem
         gather = (CommOp("all_gather", shape.kv_bytes, hierarchical=self.hierarchical, send="kv0", recv="kv_all"),)
         live = (p + 1) * shape.kv_bytes + shape.acc_bytes  # stacked and gathered kv, accumulators
         if phase == "forward":
-            return [Step(pairs.by_offset(0), gather, live_bytes=live,
+            return [Step(gather, live_bytes=live,
                          run=(Zeros("out", "q", output=True), Attend("kv0", ("own",)))),
-                    Step(pairs.remote_rows(), live_bytes=live,
+                    Step(live_bytes=live,
                          run=tuple(Attend("kv_all", ("other", j), index=j) for j in range(p)))]
         live += (p + 1) * shape.dkv_bytes  # per-source dk/dv and the reduce-scatter output
         scatter = CommOp("reduce_scatter", shape.dkv_bytes, hierarchical=self.hierarchical, send="dkv_all",
                          recv="dkv")
-        return [Step(pairs.by_offset(0), gather, live_bytes=live,
+        return [Step(gather, live_bytes=live,
                      run=(Zeros("dq", "q"), Zeros("dkv_all", "kv0", count=p),
                           AttendBack("kv0", ("own",), "dkv_all", dkv_index=OWN))),
-                Step(pairs.remote_rows(), live_bytes=live,
+                Step(live_bytes=live,
                      run=tuple(AttendBack("kv_all", ("other", j), "dkv_all", index=j, dkv_index=j) for j in range(p))),
-                Step((), (scatter,), overlap=False, live_bytes=live)]
+                Step((scatter,), overlap=False, live_bytes=live)]

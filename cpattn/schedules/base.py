@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..core import blocks as blocks_mod
+from ..core import layout as layout_mod
 from ..core import memo
 from ..core.executor import (
     START_ROLES,
@@ -40,9 +41,9 @@ from ..core.kernels import acc_dtype, region_calls
 from ..core.layout import Layout
 from ..core.masks import BlockKind, Mask
 from ..core.merge import sink_grad, with_sinks
-from ..core.pairs import PairWork, pair_work
+from ..core.pairs import PairWork, head_split, pair_work
 from ..core.program import Plan
-from ..core.steps import PHASES, Problem, Step, group_size
+from ..core.steps import PHASES, Problem, Step, Work, distribution, group_size, sources, work
 from ..core.topology import Topology
 
 Volume = dict[str, dict[str, dict[str, int]]]  # phase -> op -> {"calls", "bytes_sent", "bytes_recv"}
@@ -143,9 +144,43 @@ class Schedule:
 
     def program(self, problem: Problem, phase: str, topology: Topology | None = None, plan: Plan | None = None,
                 rank: int = 0) -> list[Step]:
-        """What group rank ``rank`` runs in ``phase``: the rank-generic :meth:`steps`, or the steps
-        compiled from ``plan`` for that rank (a schedule that plans)."""
-        return self.steps(problem, phase, topology)
+        """What group rank ``rank`` runs in ``phase``: the rank-generic :meth:`steps` with each step's
+        ``work`` priced from its compute actions (:meth:`work_of`), or the steps compiled from ``plan``
+        for that rank (a schedule that plans; its plan prices them)."""
+        return [dataclasses.replace(st, work=self.work_of(problem, srcs)) if (srcs := sources(st)) else st
+                for st in self.steps(problem, phase, topology)]
+
+    def work_of(self, problem: Problem, srcs: tuple[Hashable, ...]) -> tuple[tuple[Work, int], ...]:
+        """Over ranks, the kernel calls of one step's compute: the blocks its ``Attend`` / ``AttendBack``
+        actions' sources ``srcs`` name (the one declaration of a step's compute: the executor runs them
+        through :meth:`blocks_of`, the cost model prices this). Closed forms of the pair work where they
+        apply (a ring offset, a rank's own kv, every other rank's kv; a head split's groups), else each
+        rank's pairs (:meth:`rank_pairs`) counted from it."""
+        pairs, p = self.pairs(problem), problem.world
+        if len(srcs) == 1 and srcs[0][0] in ("ring", "own"):
+            return pairs.by_offset(srcs[0][1] if srcs[0][0] == "ring" else 0)
+        if sorted(srcs) == [("other", j) for j in range(p)]:
+            return pairs.remote_rows()
+        if len(srcs) == 1 and srcs[0][0] == "groups":
+            _, d, t, heads, kv_heads = srcs[0]
+            spans = layout_mod.grouped(problem.layout_or(self.layout_for(problem.mask)), problem.padded_len, p, d)
+            groups = pair_work(problem.mask, spans, problem.padded_len, p // d, problem.seq_len)
+            return head_split(groups.by_offset(t), d, heads, kv_heads)
+        return distribution(work((k, n) for src in srcs for i, j in self.rank_pairs(src, r, p)
+                                 for k, n in pairs.pair(i, j)) for r in range(p))
+
+    def rank_pairs(self, src, rank: int, world: int) -> list[tuple[int, int]]:
+        """The (query rank, key rank) pairs whose blocks a source ``src`` names on ``rank`` (none: nothing to
+        compute): ``("ring", t)``, the kv that started t places behind; ``("own",)``, this rank's own kv;
+        ``("other", j)``, rank j's kv (none on rank j itself: its own diagonal runs apart)."""
+        kind = src[0]
+        if kind == "ring":
+            return [(rank, (rank - src[1]) % world)]
+        if kind == "own":
+            return [(rank, rank)]
+        if kind == "other":
+            return [] if src[1] == rank else [(rank, src[1])]
+        raise ValueError(f"schedule {self.name!r}: unknown block source {src!r}")
 
     def local_fns(self, rt: Runtime, q: torch.Tensor, k: torch.Tensor) -> Mapping[Hashable, Callable[[Any], Any]]:
         """The functions the program's :class:`~cpattn.core.steps.Local` actions name, for local ``q``
@@ -199,29 +234,25 @@ class Schedule:
         return entry[1]
 
     def blocks_of(self, rt: Runtime, src) -> list[blocks_mod.Block] | None:
-        """The blocks an action's source ``src`` (``cpattn.core.steps.Attend``) names on this rank:
-        ``("ring", t)``, the kv that started t places behind on the ring (:meth:`ring_blocks`);
-        ``("own",)``, this rank's own kv; ``("other", j)``, rank j's kv, and None on rank j itself (its
-        own diagonal runs apart); ``("groups", d, t)``: the queries of this rank's group of d
-        consecutive ranks against the keys of the group t places behind it (one group: the whole
-        sequence; a head split's ring)."""
+        """The blocks an action's source ``src`` (``cpattn.core.steps.Attend``) names on this rank (None:
+        nothing to compute): those of its :meth:`rank_pairs` (:meth:`pair_blocks`), or for ``("groups", d,
+        t, heads, kv_heads)`` the queries of this rank's group of d consecutive ranks against the keys of
+        the group t places behind it (one group: the whole sequence; a head split's ring, on ``heads``
+        and ``kv_heads`` per member)."""
         r = rt.rank
-        if src[0] == "ring":
-            return self.ring_blocks(rt, src[1])
         if src[0] == "groups":
             d, t = src[1], src[2]
             i, n = r // d, rt.world // d
             return rt.blocks([i * d + x for x in range(d)], [(i - t) % n * d + x for x in range(d)])
-        if src[0] == "own":
-            return rt.blocks(r, [r])
-        if src[0] == "other":
-            return None if src[1] == r else rt.blocks(r, [src[1]])
-        raise ValueError(f"schedule {self.name!r}: unknown block source {src!r}")
+        pairs = self.rank_pairs(src, r, rt.world)
+        if not pairs:
+            return None
+        [(i, j)] = pairs
+        return self.pair_blocks(rt, i, j)
 
-    def ring_blocks(self, rt: Runtime, t: int) -> list[blocks_mod.Block]:
-        """This rank's blocks against the kv that started ``t`` places behind it on the ring."""
-        r = rt.rank
-        return rt.blocks(r, [(r - t) % rt.world])
+    def pair_blocks(self, rt: Runtime, q_rank: int, kv_rank: int) -> list[blocks_mod.Block]:
+        """The blocks of ``q_rank``'s queries against ``kv_rank``'s keys."""
+        return rt.blocks(q_rank, [kv_rank])
 
     def saved_like(self, q: torch.Tensor, k: torch.Tensor, world: int, topology: Topology | None = None
                    ) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -20,19 +20,18 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import replace
 
-from ..core.steps import Add, Attend, AttendBack, CommOp, Problem, Step, Work, Zeros
+from ..core.steps import Add, Attend, AttendBack, CommOp, Problem, Step, Zeros
 from ..core.topology import Topology
 from .base import Schedule
 
 
-def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], kv: CommOp, dkv: CommOp, phase: str,
-               live: int, source: Callable[[int], Hashable] = lambda t: ("ring", t)) -> list[Step]:
+def ring_steps(n: int, kv: CommOp, dkv: CommOp, phase: str, live: int,
+               source: Callable[[int], Hashable] = lambda t: ("ring", t)) -> list[Step]:
     """The ring on ``n`` ranks, as a program (``cpattn.core.executor``). Forward, step t attends the kv that
     started t places behind (role ``kv{t}``, source ``("ring", t)``) while ``kv{t}`` travels one place
     on as ``kv{t+1}``. Backward, the same kv ring; step t's float32 dk/dv (``dkv{t}``) is sent after
     its compute, travels during step t+1 and is added to the next rank's ``dkv{t+1}``; the last one
     lands after the loop (a step with nothing to overlap) as ``dkv``, home after a full turn.
-    ``work_at(t)``: the work distribution of step t over the ring's ranks (the cost model's view);
     ``live``: buffer bytes alive on a rank; ``source(t)``: the block source of step t (``usp``'s ring
     runs between groups of ranks)."""
     def kv_move(t: int) -> tuple[CommOp, ...]:
@@ -42,7 +41,7 @@ def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], k
         return "dkv" if n == 1 else f"dkv{t}"
 
     if phase == "forward":
-        return [Step(work_at(t), kv_move(t), live_bytes=live,
+        return [Step(kv_move(t), live_bytes=live,
                      run=((Zeros("out", "q", output=True),) if t == 0 else ()) + (Attend(f"kv{t}", source(t)),))
                 for t in range(n)]
     steps = []
@@ -50,10 +49,10 @@ def ring_steps(n: int, work_at: Callable[[int], tuple[tuple[Work, int], ...]], k
         dkv_move = (replace(dkv, send=grads(t - 1), recv=f"in{t}"),) if t > 0 else ()
         run = ((Zeros("dq", "q"),) if t == 0 else ()) + (Zeros(grads(t), f"kv{t}"),
                                                           AttendBack(f"kv{t}", source(t), grads(t)))
-        steps.append(Step(work_at(t), kv_move(t) + dkv_move, live_bytes=live, run=run,
+        steps.append(Step(kv_move(t) + dkv_move, live_bytes=live, run=run,
                           after=(Add(grads(t), f"in{t}"),) if t > 0 else ()))
     if n > 1:
-        steps.append(Step((), (replace(dkv, send=grads(n - 1), recv="dkv"),), overlap=False, live_bytes=live))
+        steps.append(Step((replace(dkv, send=grads(n - 1), recv="dkv"),), overlap=False, live_bytes=live))
     return steps
 
 
@@ -72,4 +71,4 @@ class RingSchedule(Schedule):
         live = 2 * problem.kv_bytes + problem.acc_bytes  # current and next kv, output accumulators
         if phase != "forward":
             live += 2 * problem.dkv_bytes  # outgoing and incoming dk/dv
-        return ring_steps(problem.world, self.pairs(problem).by_offset, kv, dkv, phase, live)
+        return ring_steps(problem.world, kv, dkv, phase, live)

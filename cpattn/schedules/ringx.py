@@ -37,7 +37,6 @@ receive (P-1) KV) and P reduces (send (P-1) dKV, receive dKV).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 from ..core import memo
 from ..core.pairs import PairWork, TriangularPairs
@@ -57,7 +56,7 @@ from ..core.steps import (
     distribution,
 )
 from ..core.topology import Topology
-from .base import Runtime, Schedule
+from .base import Schedule
 
 
 def merge_bytes(problem: Problem) -> tuple[int, int, int]:
@@ -164,27 +163,34 @@ class RingX(Schedule):
 
     def _without_owner(self, pairs: PairWork, phase: str, i: int) -> tuple[tuple[Work, int], ...]:
         """Owner i's step with the owner's own (diagonal) work taken out."""
-        dist = dict(self._step_pairs(pairs, phase, i))
-        own = pairs.pair(i, i)
-        dist[own] -= 1
-        dist[()] = dist.get((), 0) + 1
-        return distribution(w for w, n in dist.items() for _ in range(n))
+        return _less(self._step_pairs(pairs, phase, i), pairs.pair(i, i))
 
-    def blocks_of(self, rt: Runtime, src):
+    def rank_pairs(self, src, rank: int, world: int) -> list[tuple[int, int]]:
         """Sources of the owner steps (see :meth:`_owner_steps`): ``("diag", first, owners)``, this
         rank's diagonal when it goes first or owns no shared step; ``("q_of", i, first)``, owner i's
         queries against this rank's kv; ``("kv_of", i, first)``, this rank's queries against owner i's
-        kv; both None on the owner when it computed its diagonal first."""
-        r, kind = rt.rank, src[0]
+        kv; both none on the owner when it computed its diagonal first."""
+        kind = src[0]
         if kind == "diag":
             _, first, owners = src
-            return rt.blocks(r, [r]) if first or r not in owners else None
+            return [(rank, rank)] if first or rank not in owners else []
         if kind in ("q_of", "kv_of"):
             _, i, first = src
-            if first and i == r:
-                return None
-            return rt.blocks(i, [r]) if kind == "q_of" else rt.blocks(r, [i])
-        return super().blocks_of(rt, src)
+            if first and i == rank:
+                return []
+            return [(i, rank)] if kind == "q_of" else [(rank, i)]
+        return super().rank_pairs(src, rank, world)
+
+    def work_of(self, problem: Problem, srcs) -> tuple[tuple[Work, int], ...]:
+        """An owner step's work in closed form: owner i's queries against every rank's kv
+        (``by_q_rank``) or every rank's queries against its kv (``by_kv_rank``), less the owner's own
+        diagonal when it went first."""
+        if len(srcs) == 1 and srcs[0][0] in ("q_of", "kv_of"):
+            kind, i, first = srcs[0]
+            pairs = self.pairs(problem)
+            dist = (pairs.by_q_rank if kind == "q_of" else pairs.by_kv_rank)(i)
+            return _less(dist, pairs.pair(i, i)) if first else dist
+        return super().work_of(problem, srcs)
 
     # ------------------------------------------------------------------ steps
     def steps(self, problem: Problem, phase: str, topology: Topology | None = None) -> list[Step]:
@@ -231,8 +237,6 @@ class RingX(Schedule):
         p, pairs = problem.world, self.pairs(problem)
         owners, first = self._owners(pairs, phase), self._local_first(pairs, phase)
         shared = set(owners)
-        by = pairs.by_q_rank if kind == "merge" else pairs.by_kv_rank
-        work_of = partial(self._without_owner, pairs, phase) if first else by
         travel = "q" if kind == "merge" else "kv0"
 
         def bcast(i: int) -> tuple[CommOp, ...]:
@@ -266,29 +270,36 @@ class RingX(Schedule):
                 else AttendBack("kv0", ("diag", first, tuple(owners)), "dkv"))
         steps = []
         if first or len(shared) < p:
-            local = distribution(pairs.pair(r, r) if first or r not in shared else () for r in range(p))
-            steps.append(Step(local, live_bytes=live, run=init + (diag,)))
+            steps.append(Step(live_bytes=live, run=init + (diag,)))
             init = ()
         if not owners:
-            return steps or [Step((), run=init)]
+            return steps or [Step(run=init)]
         if not self.overlap:
             for i in owners:
-                steps += [Step((), bcast(i), overlap=False, live_bytes=live, run=init),
-                          Step(work_of(i), live_bytes=live, run=compute(i))]
+                steps += [Step(bcast(i), overlap=False, live_bytes=live, run=init),
+                          Step(live_bytes=live, run=compute(i))]
                 init = ()
                 for ops, actions in (after(i), land(i)):
                     if ops:
-                        steps.append(Step((), ops, overlap=False, live_bytes=live, after=actions))
+                        steps.append(Step(ops, overlap=False, live_bytes=live, after=actions))
             return steps
-        steps.append(Step((), bcast(owners[0]), overlap=False, live_bytes=live, run=init))
+        steps.append(Step(bcast(owners[0]), overlap=False, live_bytes=live, run=init))
         for n, i in enumerate(owners):
             landing = land(owners[n - 1]) if n else ((), ())
             in_flight = (bcast(owners[n + 1]) if n + 1 < len(owners) else ()) + landing[0]
-            steps.append(Step(work_of(i), in_flight, live_bytes=live, run=compute(i), after=landing[1]))
+            steps.append(Step(in_flight, live_bytes=live, run=compute(i), after=landing[1]))
             ops, actions = after(i)
             if ops:
-                steps.append(Step((), ops, overlap=False, live_bytes=live, after=actions))
+                steps.append(Step(ops, overlap=False, live_bytes=live, after=actions))
         ops, actions = land(owners[-1])
         if ops:
-            steps.append(Step((), ops, overlap=False, live_bytes=live, after=actions))
+            steps.append(Step(ops, overlap=False, live_bytes=live, after=actions))
         return steps
+
+
+def _less(dist: tuple[tuple[Work, int], ...], own: Work) -> tuple[tuple[Work, int], ...]:
+    """A work distribution with one rank's ``own`` work taken out (that rank then idle)."""
+    counts = dict(dist)
+    counts[own] -= 1
+    counts[()] = counts.get((), 0) + 1
+    return distribution(w for w, n in counts.items() for _ in range(n))

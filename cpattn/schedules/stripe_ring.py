@@ -184,15 +184,9 @@ class StripeRingSchedule(RingSchedule):
     balances_documents = False
     summary = "p2p ring on the striped layout: balanced causal work"
 
-    @staticmethod
-    def _blocks(rt: Runtime, q_rank: int, kv_rank: int) -> list[Block]:
-        key = ("striped", q_rank, kv_rank)
-        return rt.block_cache.get(key, lambda: striped_blocks(rt.mask, rt.padded_len, rt.world, q_rank, kv_rank,
-                                                              rt.seq_len))
-
-    def ring_blocks(self, rt: Runtime, t: int) -> list[Block]:
-        r = rt.rank
-        return self._blocks(rt, r, (r - t) % rt.world)
+    def pair_blocks(self, rt: Runtime, q_rank: int, kv_rank: int) -> list[Block]:
+        return rt.block_cache.get(("striped", q_rank, kv_rank), lambda: striped_blocks(
+            rt.mask, rt.padded_len, rt.world, q_rank, kv_rank, rt.seq_len))
 
     def pairs(self, problem: Problem) -> PairWork:
         """The closed form for the causal and full masks without padding, else :class:`StripedPairs`

@@ -32,9 +32,7 @@ from typing import Any
 import torch
 
 from ..core.kernels import acc_dtype
-from ..core.layout import grouped
 from ..core.merge import with_sinks
-from ..core.pairs import head_split, pair_work
 from ..core.steps import CommOp, Local, Problem, Step
 from ..core.topology import Topology
 from .base import Runtime, Schedule
@@ -247,14 +245,9 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
     shape, n = problem, p // degree
     msg = messages(shape, degree)
     kv_heads = len(kv_plan(problem.heads, problem.kv_heads, degree)[0])
-    groups = grouped(problem.layout_or("contiguous"), problem.padded_len, p, degree)
-    pairs = pair_work(problem.mask, groups, problem.padded_len, n, problem.seq_len)
-
-    def work_at(t: int):
-        return head_split(pairs.by_offset(t), degree, problem.heads // degree, kv_heads)
 
     def exchanges(part: int, live: int) -> list[Step]:  # one step per message, packed before, unpacked after
-        return [Step((), ops, overlap=False, live_bytes=live, before=CODECS[m][0], after=CODECS[m][1])
+        return [Step(ops, overlap=False, live_bytes=live, before=CODECS[m][0], after=CODECS[m][1])
                 for m in EXCHANGES[phase][part]
                 if (ops := exchange_ops(degree, msg[m], degree == p, group, f"{m}_out", f"{m}_in"))]
 
@@ -273,7 +266,8 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
         live_out = saved + dq_acc + kv_acc + 2 * (q + msg["dkv"])
     kv_op = CommOp("sendrecv", kv, peer=degree)  # ring neighbours are degree ranks apart
     dkv_op = CommOp("sendrecv", kv_acc, peer=degree)
-    ring = ring_steps(n, work_at, kv_op, dkv_op, phase, live_ring, source=lambda t: ("groups", degree, t))
+    ring = ring_steps(n, kv_op, dkv_op, phase, live_ring,
+                      source=lambda t: ("groups", degree, t, problem.heads // degree, kv_heads))
     if degree == 1:  # no exchange: the ring's result is the sequence split's
         return ring + ([Step(live_bytes=live_out, after=ONE_MEMBER)] if phase == "forward" else [])
     return exchanges(0, live_in) + ring + exchanges(1, live_out)
