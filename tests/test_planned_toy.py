@@ -57,6 +57,25 @@ def test_a_program_naming_an_undeclared_role_is_refused_before_it_runs():
         check_program([Step(run=(Local("f", "dout", "x"),))], START_ROLES["forward"])
 
 
+def test_a_role_of_the_wrong_kind_is_refused_before_it_runs():
+    """Roles are typed: an attention reads queries, key/values (one of several by its index) and output
+    accumulators, and a program that hands it something else is refused before anything runs."""
+    from cpattn.core.executor import START_ROLES, check_program
+    from cpattn.core.steps import Attend, AttendBack, CommOp, Zeros
+
+    start = START_ROLES["forward"]
+    gather = CommOp("all_gather", 8, send="kv0", recv="kv_all")
+    good = [Step((gather,), run=(Zeros("out", "q", output=True), Attend("kv_all", ("other", 1), index=1)))]
+    assert check_program(good, start) is good
+    with pytest.raises(ValueError, match=r"takes role 'kv_all' as kv, but it holds kv\*"):  # stacked, and no index
+        check_program([Step((gather,), run=(Zeros("out", "q", output=True), Attend("kv_all", ("own",))))], start)
+    with pytest.raises(ValueError, match="takes role 'dq' as acc, but it holds rows"):
+        check_program([Step(run=(Zeros("dq", "q"), Attend("kv0", ("own",), into="dq")))], start)
+    with pytest.raises(ValueError, match="takes role 'kv0' as rows"):  # key/values where queries go
+        check_program([Step(run=(Zeros("g", "kv0"), Zeros("dq", "q"),
+                                 AttendBack("kv0", ("own",), "g", q="kv0")))], START_ROLES["backward"])
+
+
 def test_every_registered_schedule_has_a_functional_entry_point():
     import cpattn
     from cpattn import schedules

@@ -281,37 +281,78 @@ def _reads_writes(action) -> tuple[tuple[str, ...], tuple[str, ...]]:
     raise TypeError(f"unknown action {action!r}")
 
 
-#: the roles a phase's program starts from (``Schedule.forward`` / ``Schedule.backward``)
-START_ROLES = {"forward": frozenset({"q", "kv0"}), "backward": frozenset({"q", "kv0", "dout", "out", "lse"})}
+#: what a role holds: a query-like ``[b, s, h, d]`` tensor, key/values (packed ``[2, b, s, h_kv, d]`` or the
+#: ``(k, v)`` pair), output accumulators (or an ``(out, lse)`` pair), an lse ``[b, h, s]``, or what a
+#: schedule's own ``Local`` function makes (not checked); ``"*"`` after a kind: several of them stacked
+#: (an action takes one by its index)
+ROWS, KV, ACC, LSE, ANY = "rows", "kv", "acc", "lse", "any"
+#: the roles a phase's program starts from (``Schedule.forward`` / ``Schedule.backward``), with their kinds
+START_ROLES = {"forward": {"q": ROWS, "kv0": KV},
+               "backward": {"q": ROWS, "kv0": KV, "dout": ROWS, "out": ROWS, "lse": LSE}}
 
 
-def check_program(steps: list[Step], start: frozenset[str] | set[str]) -> list[Step]:
-    """``steps`` when every role an action or op reads was declared before it (one of ``start``, or made
-    by an earlier action or received by an earlier op), else ``ValueError`` naming the first one that
-    was not; checked before anything runs."""
-    known = set(start)
+def _made(action, kinds: dict[str, str]) -> dict[str, str]:
+    """The kinds of the roles an action makes."""
+    if isinstance(action, Zeros):
+        like = KV if isinstance(action.like, tuple) else kinds.get(action.like, ANY).rstrip("*")
+        return {action.role: ACC if action.output else like + ("*" if action.count is not None else "")}
+    if isinstance(action, Fold):
+        return {action.into: {"o": ACC, "dq": ROWS, "dkv": KV}[action.item]}
+    if isinstance(action, LseMax):
+        return {action.into: LSE}
+    return dict.fromkeys(_reads_writes(action)[1], ANY)
+
+
+def _expected(action) -> list[tuple[str, str, object]]:
+    """``(role, kind, index)`` of what an action reads that must be of a kind (``index``: the slice it
+    takes of a stacked role; None: it takes the role whole)."""
+    if isinstance(action, Attend):
+        return [(action.q, ROWS, None), (action.kv, KV, action.index), (action.into, ACC, None)]
+    if isinstance(action, AttendBack):
+        rows = [(r, ROWS, None) for r in (action.q, action.dout, action.dq, action.out) if r is not None]
+        return rows + [(action.lse, LSE, None), (action.kv, KV, action.index), (action.dkv, KV, action.dkv_index)]
+    if isinstance(action, LseMax | Weigh):
+        return [(action.part, ACC, None)]
+    if isinstance(action, Land):
+        return [(action.into, ACC, None)]
+    return []
+
+
+def check_program(steps: list[Step], start: dict[str, str]) -> list[Step]:
+    """``steps`` when every role an action or op reads was declared before it (one of ``start``, a map of
+    roles to their kinds, or made by an earlier action or received by an earlier op) and holds what the
+    action takes (:data:`ROWS`, :data:`KV`, :data:`ACC`, :data:`LSE`; stacked ones by an index), else
+    ``ValueError`` naming the first that does not; checked before anything runs."""
+    kinds = dict(start)
 
     def need(i: int, what, roles) -> None:
         for role in roles:
-            if role not in known:
+            if role not in kinds:
                 raise ValueError(f"step {i}: {what!r} uses the role {role!r}, which no earlier step declares "
-                                 f"(known: {', '.join(sorted(known))})")
+                                 f"(known: {', '.join(sorted(kinds))})")
+
+    def act(i: int, action) -> None:
+        need(i, action, _reads_writes(action)[0])
+        for role, kind, index in _expected(action):
+            got = kinds[role]
+            if got != ANY and got != (kind + "*" if index is not None else kind):
+                raise ValueError(f"step {i}: {action!r} takes role {role!r} as {kind}"
+                                 f"{' (one of several, by index)' if index is not None else ''}, but it holds {got}")
+        kinds.update(_made(action, kinds))
 
     for i, st in enumerate(steps):
         for action in st.before:
-            reads, writes = _reads_writes(action)
-            need(i, action, reads)
-            known.update(writes)
+            act(i, action)
         for op in st.comm:
             need(i, op, [op.send] if op.send is not None else [])
             if op.op == "recv":
                 need(i, op, [op.recv])
             elif op.recv is not None:
-                known.add(op.recv)
+                sent = kinds.get(op.send, ANY)
+                kinds[op.recv] = (sent + "*" if op.op == "all_gather" and sent != ANY
+                                  else sent.rstrip("*") if op.op == "reduce_scatter" else sent)
         for action in (*st.run, *st.after):
-            reads, writes = _reads_writes(action)
-            need(i, action, reads)
-            known.update(writes)
+            act(i, action)
     return steps
 
 
@@ -522,5 +563,5 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
     return roles
 
 
-__all__ = ["START_ROLES", "Accumulators", "BoundedCache", "Run", "Runtime", "attend", "attend_backward",
-           "check_program", "execute"]
+__all__ = ["ACC", "ANY", "KV", "LSE", "ROWS", "START_ROLES", "Accumulators", "BoundedCache", "Run", "Runtime",
+           "attend", "attend_backward", "check_program", "execute"]

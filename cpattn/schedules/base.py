@@ -28,6 +28,7 @@ from ..core import blocks as blocks_mod
 from ..core import layout as layout_mod
 from ..core import memo
 from ..core.executor import (
+    ANY,
     START_ROLES,
     Accumulators,
     Run,
@@ -227,9 +228,9 @@ class Schedule:
         entry = rt.block_cache.get(key, lambda: None)
         if entry is None or entry[0] is not plan:  # a plan that died left its id to another one
             with memo.scope(rt.block_cache):
-                kept = {role for _, role in self.keeps} if phase == "backward" else set()
+                kept = {role: ANY for _, role in self.keeps} if phase == "backward" else {}
                 entry = (plan, check_program(self.program(problem, phase, rt.topology, plan, rt.rank),
-                                             START_ROLES[phase] | kept))
+                                             {**kept, **START_ROLES[phase]}))
             rt.block_cache.put(key, entry)
         return entry[1]
 
