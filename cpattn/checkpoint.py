@@ -55,7 +55,6 @@ FREE_FIELDS = ("dp", "cp", "fsdp", "schedule", "steps", "stop_after", "checkpoin
 #: ``publish``: after the rename), at ``step`` (default: every), on ``rank`` (default: every), by
 #: ``how``: ``exit`` (``os._exit(9)``, default) or ``raise`` (RuntimeError)
 FAULT_ENV = "CPATTN_CHECKPOINT_FAULT"
-FAULT_POINTS = ("shards", "record", "publish")
 
 
 class CheckpointError(ValueError):
@@ -72,12 +71,7 @@ def list_steps(root: str | Path) -> list[int]:
     root = Path(root)
     if not root.is_dir():
         return []
-    steps = []
-    for path in root.iterdir():
-        m = _STEP_RE.match(path.name)
-        if m and path.is_dir():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return sorted(int(m.group(1)) for path in root.iterdir() if (m := _STEP_RE.match(path.name)) and path.is_dir())
 
 
 def _ours(path: Path) -> bool:
@@ -118,18 +112,13 @@ def write_json_atomic(path: Path, obj) -> None:
 
 
 def _fault(point: str, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    parts = spec.split(":")
-    if parts[0] != point:
-        return
-    if len(parts) > 1 and parts[1] not in ("", "*") and int(parts[1]) != step:
+    where, at, on, how = (os.environ.get(FAULT_ENV, "").split(":") + ["", "", ""])[:4]
+    if where != point:
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if len(parts) > 2 and parts[2] not in ("", "*") and int(parts[2]) != rank:
+    if any(field not in ("", "*") and int(field) != value for field, value in ((at, step), (on, rank))):
         return
-    if len(parts) > 3 and parts[3] == "raise":
+    if how == "raise":
         raise RuntimeError(f"injected checkpoint fault at {point} of step {step} (${FAULT_ENV})")
     os._exit(9)
 
@@ -228,9 +217,9 @@ def check_resume(saved: dict, config: dict) -> list[str]:
     CheckpointError listing every result-changing field that differs (:data:`RESULT_FIELDS`); returns
     one note per other field that differs (``"schedule: ring -> zigzag_ring"``)."""
     saved, config = _comparable(saved), _comparable(config)
-    bad = [f"{k} {saved.get(k)!r} -> {config.get(k)!r}" for k in RESULT_FIELDS if saved.get(k) != config.get(k)]
     unknown = sorted(set(config) - set(RESULT_FIELDS) - set(FREE_FIELDS))
-    bad += [f"{k} {saved.get(k)!r} -> {config.get(k)!r}" for k in unknown if saved.get(k) != config.get(k)]
+    bad = [f"{k} {saved.get(k)!r} -> {config.get(k)!r}" for k in (*RESULT_FIELDS, *unknown)
+           if saved.get(k) != config.get(k)]
     if bad:
         raise CheckpointError("resume: the checkpoint was saved by a run with another configuration, and these "
                               "changes would train something else: " + "; ".join(bad)
@@ -281,13 +270,15 @@ def new_run_id() -> str:
 
 
 # ---------------------------------------------------------------------------------- collective save / load
-def _agree(error: str | None) -> None:
-    """Every rank raises the same CheckpointError when any rank had one (a collective)."""
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    for rank, err in enumerate(errors):
-        if err is not None:
-            raise CheckpointError(f"rank {rank}: {err}")
+def _agree(error: str | None, value=None) -> list:
+    """Every rank's ``value``, in rank order (a collective); every rank raises the same CheckpointError,
+    naming each rank that had an ``error``, when any rank had one."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (error, value))
+    errors = [f"rank {rank}: {err}" for rank, (err, _) in enumerate(gathered) if err is not None]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    return [v for _, v in gathered]
 
 
 def param_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -334,15 +325,11 @@ def save(root: str | Path, step: int, model: torch.nn.Module, optim, config, los
         sums = {name: _hash_file(tmp / name, sync=True) for name in names[rank::world]}
     except OSError as exc:
         error = f"cannot read back the files of {tmp}: {exc}"
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, (error, sums))
-    errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(gathered) if e]
-    if errors:
-        raise CheckpointError("; ".join(errors))
+    parts = _agree(error, sums)
     error = None
     if rank == 0:
         try:
-            files = {name: meta for _, part in gathered for name, meta in part.items()}
+            files = {name: meta for part in parts for name, meta in part.items()}
             record = {"format": FORMAT, "step": step, "data_position": step, "run_id": run_id,
                       "cpattn": __version__, "torch": torch.__version__, "world": world, "config": cfg,
                       "losses": [float(x) for x in losses], "params": param_shapes(model), "files": files}

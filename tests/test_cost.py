@@ -704,12 +704,12 @@ def test_priced_work_is_what_the_executor_runs(name, mask):
         layout = problem.layout_or(sched.layout_for(the_mask))
         runtimes = [Runtime(_Rank(r, world), the_mask, layout, problem.padded_len, seq_len=seq) for r in range(world)]
         for phase in ("forward", "backward"):
-            for st in sched.program(problem, phase):
-                def kernels(rt):
-                    for src in sources(st):
+            for step in sched.program(problem, phase):
+                def kernels(rt, step=step):
+                    for src in sources(step):
                         heads = (src[3], src[4]) if src[0] == "groups" else (0, 0)
                         for b in sched.blocks_of(rt, src) or ():
                             yield Kernel(b.kind.value, b.q.stop - b.q.start, b.kv.stop - b.kv.start, b.area,
                                          *heads), 1
-                want = distribution(work(kernels(rt)) for rt in runtimes) if sources(st) else ()
-                assert st.work == want, (name, world, phase)
+                want = distribution(work(kernels(rt)) for rt in runtimes) if sources(step) else ()
+                assert step.work == want, (name, world, phase)

@@ -109,7 +109,6 @@ def mask_hook(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                                   "the whole mask as a cpattn mask (cpattn.masks.from_mask_mod) if it is static")
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(f"attn_implementation={NAME!r}: attention_mask has padding (zeros); {_PADDING_ADVICE}")
-    return None
 
 
 def _and_parts(mask: Mask) -> list[Mask]:
@@ -119,14 +118,16 @@ def _and_parts(mask: Mask) -> list[Mask]:
     return [mask]
 
 
-def layer_context(cp: ContextParallel, module: torch.nn.Module, is_causal: bool,
-                   sliding_window: int | None) -> ContextParallel:
-    """The ContextParallel a layer runs on: ``cp`` when its mask is what the layer asks for, else the view
-    of ``cp`` (``with_mask``, cached per window) whose mask adds the layer's sliding window, so models that
-    alternate window and full layers (Gemma 3, gpt-oss, Mistral-style hybrids) run on one ContextParallel.
-    Raises when the layer's causality disagrees with the mask, or when the mask already has a window and
-    the layer asks for another or for none."""
+def layer_context(cp: ContextParallel, module: torch.nn.Module, kwargs: dict) -> ContextParallel:
+    """The ContextParallel a layer runs on, from its attention call's keyword arguments (``is_causal``,
+    else the module's, and ``sliding_window``): ``cp`` when its mask is what the layer asks for, else the
+    view of ``cp`` (``with_mask``, cached per window) whose mask adds the layer's sliding window, so models
+    that alternate window and full layers (Gemma 3, gpt-oss, Mistral-style hybrids) run on one
+    ContextParallel. Raises when the layer's causality disagrees with the mask, or when the mask already
+    has a window and the layer asks for another or for none."""
     where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
+    is_causal, sliding_window = kwargs.get("is_causal"), kwargs.get("sliding_window")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     base = cp  # the active one: a per-step view (documents) keeps its mask, the layer adds its window
     if is_causal != base.mask.is_causal:
         kind = "causal" if is_causal else "bidirectional"
@@ -220,10 +221,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if query.shape[2] != cp.local_len:
         raise ValueError(f"the layer got {query.shape[2]} tokens but the ContextParallel holds {cp.local_len} per rank "
                          f"(seq_len={cp.seq_len}, padding included): pass inputs sharded by cp.shard(x, dim=1)")
-    is_causal = kwargs.get("is_causal")
     active = cp
-    cp = layer_context(cp, module, getattr(module, "is_causal", True) if is_causal is None else bool(is_causal),
-                        kwargs.get("sliding_window"))
+    cp = layer_context(cp, module, kwargs)
     _check_positions(active if cp.layout == active.layout else cp, kwargs.get("position_ids"))
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: one sink logit per query head
     out = cp.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling,

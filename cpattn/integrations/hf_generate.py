@@ -112,9 +112,7 @@ class _Step:
         q = query.transpose(1, 2)
         if self.cp is None:  # decoding: one new token per row, replicated
             return self.kv.decode_attention(layer, q, scaling, window=window, sinks=sinks, softcap=softcap)
-        is_causal = kwargs.get("is_causal")
-        cp = hf_common.layer_context(self.cp, module, getattr(module, "is_causal", True) if is_causal is None
-                               else bool(is_causal), window)
+        cp = hf_common.layer_context(self.cp, module, kwargs)
         return self.kv.extend_attention(layer, cp, q, key.transpose(1, 2), value.transpose(1, 2), scaling,
                                         window=window, sinks=sinks, softcap=softcap)
 
@@ -359,8 +357,7 @@ class _Generation:
         with hf_common.use(cp), _attending_cache(None if fresh else _Step(kv, cp)):
             out = self.model(input_ids=local_ids, position_ids=placement.positions[None].to(input_ids.device),
                              past_key_values=cache, use_cache=True, logits_to_keep=last.to(input_ids.device))
-        for b, t in enumerate(new):
-            cache.ids[b] = torch.cat([cache.ids[b], t.cpu()])
+        cache.ids = [torch.cat([held, t.cpu()]) for held, t in zip(cache.ids, new)]
         logits = torch.zeros(rows, out.logits.shape[-1], dtype=torch.float32, device=input_ids.device)
         logits[placement.rows[last].to(input_ids.device)] = out.logits[0].float()
         comm.all_reduce(logits)  # each row's logits live on the rank holding its last token; the others add 0
@@ -372,8 +369,7 @@ class _Generation:
         with hf_common.use(cp), _attending_cache(_Step(cache.kv, None)):
             out = self.model(input_ids=tokens[:, None], position_ids=placement.positions[:, None].to(tokens.device),
                              past_key_values=cache, use_cache=True)
-        for b in range(tokens.shape[0]):
-            cache.ids[b] = torch.cat([cache.ids[b], tokens[b:b + 1].cpu()])
+        cache.ids = [torch.cat([held, t.cpu()]) for held, t in zip(cache.ids, tokens[:, None])]
         return out.logits[:, -1].to(dtype=torch.float32)
 
 

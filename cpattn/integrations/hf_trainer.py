@@ -197,7 +197,7 @@ class Trainer(transformers.Trainer):
                 inputs[key] = cp.shard(inputs[key], dim=1)
         padding = cp.positions().to(tokens.device) < 0
         for key in ("labels", "shift_labels"):
-            if key in inputs and inputs[key] is not None:
+            if inputs.get(key) is not None:
                 inputs[key] = inputs[key].masked_fill(padding, hf_common.IGNORE_INDEX)
         inputs["position_ids"] = positions.to(tokens.device)
         if hasattr(getattr(self.model, "config", None), "use_cache"):
@@ -263,7 +263,7 @@ class Trainer(transformers.Trainer):
             n = t.shape[0] // world
             return torch.cat([t[r * n:(r + 1) * n] for r in range(0, world, self.cp_size)])
 
-        kept = recursively_apply(first_of_each_group, gathered) if self.cp_size > 1 else gathered
+        kept = recursively_apply(first_of_each_group, gathered)  # only installed when cp_size > 1
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             kept = recursively_apply(lambda t: t[:state.remainder], kept)
@@ -275,12 +275,8 @@ def _consecutive_groups(cp_size: int, world: int, rank: int) -> dist.ProcessGrou
     Every rank creates every group, in the same order, as ``new_group`` requires."""
     if world == 1 or cp_size == world:
         return None
-    mine = None
-    for first in range(0, world, cp_size):
-        group = dist.new_group(list(range(first, first + cp_size)))
-        if first <= rank < first + cp_size:
-            mine = group
-    return mine
+    groups = [dist.new_group(list(range(first, first + cp_size))) for first in range(0, world, cp_size)]
+    return groups[rank // cp_size]
 
 
 def _unshard(cp: ContextParallel, outputs):

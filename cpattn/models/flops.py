@@ -42,13 +42,10 @@ def matmul_param_count(config: LlamaConfig | ViTConfig) -> int:
 def param_count(config: LlamaConfig | ViTConfig) -> int:
     """Every trainable parameter of the model built from ``config`` (a tied head counted once)."""
     c = config
-    norms = c.layers * 2 * c.dim + c.dim
-    blocks = c.layers * _block_matmul_params(c.dim, c.heads, c.kv_heads, c.ffn_dim) + norms
-    if isinstance(c, LlamaConfig):
-        return blocks + c.vocab * c.dim * (1 if c.tie_embeddings else 2)
-    if isinstance(c, ViTConfig):
-        return blocks + (c.patch_dim * c.dim + c.dim) + (c.dim * c.patch_dim + c.patch_dim)  # embed, head + biases
-    raise TypeError(f"expected a LlamaConfig or ViTConfig, got {type(config).__name__}")
+    matmul, norms = matmul_param_count(c), c.layers * 2 * c.dim + c.dim
+    if isinstance(c, LlamaConfig):  # the token embedding, unless the head is it
+        return matmul + norms + (0 if c.tie_embeddings else c.vocab * c.dim)
+    return matmul + norms + c.dim + c.patch_dim  # the ViT's embedding and head biases
 
 
 def _attention_flops_per_token(layers: int, heads: int, head_dim: int, seq_len: int, allowed_pairs: int) -> float:

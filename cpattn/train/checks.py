@@ -11,29 +11,25 @@ from pathlib import Path
 import torch
 
 from .. import checkpoint as ckpt
-from ..core.masks import document
+from .. import schedules
+from ..core import masks
 from .config import TrainConfig, _model_config
 
 
 def _mask_of(cfg: TrainConfig):
-    from ..core import masks
-
     if cfg.model == "vit":
         return masks.resolve("full")
     if cfg.task == "documents":
-        return document(list(cfg.document_lengths()))
+        return masks.document(list(cfg.document_lengths()))
     if cfg.task == "text":  # a typical step's mask: rows of documents
         half = cfg.seq // 2
-        return document([n for _ in range(cfg.batch // cfg.dp) for n in (half, cfg.seq - half) if n])
+        return masks.document([n for _ in range(cfg.batch // cfg.dp) for n in (half, cfg.seq - half) if n])
     return masks.resolve("causal")
 
 
 def check_schedule(cfg: TrainConfig) -> None:
     """Raise ValueError (one line) unless ``cfg.schedule`` can run the run's mask and head shapes on
     ``cfg.cp`` ranks; nothing communicates."""
-    from .. import schedules
-    from ..core import masks
-
     if cfg.schedule == "auto":
         return
     sched = schedules.get(cfg.schedule)  # an unknown name fails here

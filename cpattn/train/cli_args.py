@@ -5,6 +5,7 @@ entry."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import torch.distributed as dist
@@ -91,12 +92,9 @@ def config_from_args(args, world: int, cp: int | None = None, schedule: str | No
         if task is not None and task != implied:
             raise ValueError(f"--mask {args.mask} trains task {implied!r}, but --task is {task!r}")
         task = implied
-    return TrainConfig(model=args.model, config=args.config, dp=args.dp, cp=cp, schedule=schedule or args.schedule,
-                       steps=args.steps, seq=args.seq, batch=args.batch, task=task, lr=args.lr, seed=args.seed,
-                       stop_after=args.stop_after, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-                       resume=args.resume, overwrite=args.overwrite, eval_every=args.eval_every,
-                       peak_tflops=args.peak_tflops, progress=True, log=args.log, plot=args.plot, documents=docs,
-                       fsdp=args.fsdp, dtype=args.dtype, data=args.data, tokenizer=args.tokenizer)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
+    return TrainConfig(**{**given, "cp": cp, "schedule": schedule or args.schedule, "task": task, "documents": docs,
+                          "progress": True})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,17 +127,10 @@ class TrainConfig:
         return (*parts, left)
 
 
-def _pick(configs: dict, name: str, model: str):
+def _model_config(model: str, name: str):
+    from ..models import LLAMA_CONFIGS, VIT_CONFIGS
+
+    configs = LLAMA_CONFIGS if model == "llama" else VIT_CONFIGS
     if name not in configs:
         raise ValueError(f"config={name!r} is not a {model} config; accepted: {', '.join(configs)}")
     return configs[name]
-
-
-def _model_config(model: str, name: str):
-    if model == "llama":
-        from ..models.llama import LLAMA_CONFIGS
-
-        return _pick(LLAMA_CONFIGS, name, "llama")
-    from ..models.vit import VIT_CONFIGS
-
-    return _pick(VIT_CONFIGS, name, "vit")

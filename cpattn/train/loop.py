@@ -116,11 +116,9 @@ def _setup_checkpoint(cfg: TrainConfig, model, optim, task: _Task) -> tuple[int,
                 ckpt.prepare_new_run(cfg.checkpoint, cfg.overwrite)
         except (ckpt.CheckpointError, OSError) as exc:
             error = str(exc)
-    ckpt._agree(error)
+    run_id = ckpt._agree(error, ckpt.new_run_id())[0]  # every rank takes rank 0's new run id
     if not cfg.resume:
-        ids = [ckpt.new_run_id()]
-        dist.broadcast_object_list(ids, src=0)
-        return 0, [], ids[0], []
+        return 0, [], run_id, []
     step, rec, notes = ckpt.load(cfg.checkpoint, model, optim, cfg)
     path = ckpt.step_dir(cfg.checkpoint, step)
     _check_steps_left(cfg, step, path)
@@ -134,7 +132,6 @@ def _data_state(task: _Task) -> dict | None:
     if task.packer is None:
         return None
     return {"fingerprint": task.corpus.fingerprint, "position": task.packer.state_dict()}
-
 
 
 def _train(cfg: TrainConfig, return_params: bool) -> dict:

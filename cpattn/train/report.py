@@ -54,8 +54,7 @@ def _write_outputs(cfg: TrainConfig, record: dict) -> None:
 
 def run_label(rec: dict) -> str:
     c = rec["config"]
-    extra = "".join([" replicated" if not c.get("fsdp", True) else "",
-                     " bf16" if c.get("dtype") == "bfloat16" else ""])
+    extra = " replicated" * (not c.get("fsdp", True)) + " bf16" * (c.get("dtype") == "bfloat16")
     return f"dp{c['dp']} x cp{c['cp']} {rec['schedule']}{extra}"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import _local
 from .config import TrainConfig
 
 
@@ -33,11 +34,6 @@ def parallelize(model: torch.nn.Module, cfg: TrainConfig, flat) -> torch.nn.Modu
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t`` (a DTensor's local shard), or ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _ShardedGrads:

@@ -25,30 +25,24 @@ class _Task:
 
     def __init__(self, cfg: TrainConfig, device: torch.device) -> None:
         from .. import data
-        from ..models import flops
+        from ..models import Llama, ViT, flops
 
         self.cfg, self.device, self.data, self.flops = cfg, device, data, flops
         self.corpus = self.packer = None
+        self.mconf = _model_config(cfg.model, cfg.config)
+        if cfg.task == "text":
+            self.corpus = data.TextCorpus(cfg.data, cfg.tokenizer)
+            self.mconf = dataclasses.replace(self.mconf, vocab=self.corpus.vocab)
+            train_docs, self.held_out = self.corpus.split()
+            self.packer = data.TextPacker(self.corpus, train_docs, cfg.seq)
+        torch.manual_seed(cfg.seed)  # the same initial parameters on every rank
         if cfg.model == "llama":
-            from ..models.llama import Llama
-
-            self.mconf = _model_config("llama", cfg.config)
-            self.seq = cfg.seq
-            if cfg.task == "text":
-                self.corpus = data.TextCorpus(cfg.data, cfg.tokenizer)
-                self.mconf = dataclasses.replace(self.mconf, vocab=self.corpus.vocab)
-                train_docs, self.held_out = self.corpus.split()
-                self.packer = data.TextPacker(self.corpus, train_docs, self.seq)
-            torch.manual_seed(cfg.seed)  # the same initial parameters on every rank
             self.model = Llama(self.mconf).to(device)
+            self.seq = cfg.seq
             self.mask = document(list(cfg.document_lengths())) if cfg.task == "documents" else "causal"
         else:
-            from ..models.vit import ViT
-
-            self.mconf = _model_config("vit", cfg.config)
-            torch.manual_seed(cfg.seed)
             self.model = ViT(self.mconf).to(device)
-            self.seq = (self.mconf.height // self.mconf.patch) * (self.mconf.width // self.mconf.patch)
+            self.seq = self.mconf.n_patches
             self.mask = "full"
             m = self.mconf  # the training and held-out fields: trajectories from two seeds
             self.fields = [data.advection_diffusion(samples, m.channels, m.height, m.width, FIELD_STEPS,
@@ -86,7 +80,7 @@ class _Task:
             x, y = self.data.field_pairs(self.fields[held_out], rows, gen)
             return {"x": x, "y": y}
         if cfg.task == "recall":
-            tokens, labels = self.data.recall_batch(rows, self.seq, m.vocab, pairs=_recall_pairs(self.seq),
+            tokens, labels = self.data.recall_batch(rows, self.seq, m.vocab, pairs=max(2, min(8, self.seq // 16)),
                                                     generator=gen)
             return {"tokens": tokens, "labels": labels}
         tokens, labels, position_ids = self.data.packed_documents(rows, self.seq, m.vocab,
@@ -143,7 +137,3 @@ class _Task:
         if self.cfg.task != "recall":
             return None
         return 1 / len(self.data.recall_ranges(self.mconf.vocab)[2])
-
-
-def _recall_pairs(seq: int) -> int:
-    return max(2, min(8, seq // 16))

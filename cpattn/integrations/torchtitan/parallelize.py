@@ -25,11 +25,6 @@ class SelectiveCpattnAC(SelectiveAC):
         return super().get_save_ops() | {torch.ops.cpattn.attention.default}
 
 
-def saves_attention(policy: SelectiveAC) -> bool:
-    """Whether ``policy`` saves the outputs of ``cpattn::attention`` (never recomputes it)."""
-    return torch.ops.cpattn.attention.default in policy.get_save_ops()
-
-
 def parallelize_decoder(model: nn.Module, *, parallel_dims: ParallelDims, training: TrainingConfig,
                         parallelism: ParallelismConfig, compile_config: CompileConfig,
                         ac_config: ActivationCheckpointingConfig, dump_folder: str) -> nn.Module:

@@ -14,52 +14,21 @@ import torch.distributed as dist
 _APPLIED = False
 
 
-class _CpuDevice(SimpleNamespace):
+def _cpu_properties(device=None) -> SimpleNamespace:
+    import psutil
+
+    return SimpleNamespace(name="cpu", total_memory=psutil.virtual_memory().total)
+
+
+def _cpu_device_module() -> SimpleNamespace:
     """What torchtitan calls on its device module (``torch.cuda`` by default), answered for the CPU:
     one device, no allocator statistics (torchtitan reports -1 for them), the machine's memory as the
     device's capacity."""
-
-    @staticmethod
-    def set_device(device) -> None:
-        pass
-
-    @staticmethod
-    def current_device() -> int:
-        return 0
-
-    @staticmethod
-    def device_count() -> int:
-        return 1
-
-    @staticmethod
-    def synchronize(device=None) -> None:
-        pass
-
-    @staticmethod
-    def get_device_name(device=None) -> str:
-        return "cpu"
-
-    @staticmethod
-    def get_device_properties(device=None) -> SimpleNamespace:
-        import psutil
-
-        return SimpleNamespace(name="cpu", total_memory=psutil.virtual_memory().total)
-
-    @staticmethod
-    def memory_stats(device=None) -> dict:
-        return {}
-
-    @staticmethod
-    def reset_peak_memory_stats(device=None) -> None:
-        pass
-
-    @staticmethod
-    def empty_cache() -> None:
-        pass
-
-    @staticmethod
-    def is_available() -> bool:
-        return True
+    return SimpleNamespace(
+        set_device=lambda device: None, current_device=lambda: 0, device_count=lambda: 1,
+        synchronize=lambda device=None: None, get_device_name=lambda device=None: "cpu",
+        get_device_properties=_cpu_properties, memory_stats=lambda device=None: {},
+        reset_peak_memory_stats=lambda device=None: None, empty_cache=lambda: None, is_available=lambda: True)
 
 
 def _accelerator() -> bool:
@@ -75,7 +44,7 @@ def cpu_device() -> None:
 
     if _accelerator() or titan_utils.device_type == "cpu":
         return
-    cpu = _CpuDevice()
+    cpu = _cpu_device_module()
     for module in list(sys.modules.values()):
         name = getattr(module, "__name__", "")
         if not name.startswith("torchtitan"):

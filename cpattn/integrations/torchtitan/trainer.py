@@ -83,12 +83,8 @@ def document_mask(positions: torch.Tensor) -> Mask:
     each. One row holding one document is plain causal. Reads the positions on the host."""
     lengths = []
     for row in positions.tolist():
-        start = 0
-        for j in range(1, len(row)):
-            if row[j] == 0:
-                lengths.append(j - start)
-                start = j
-        lengths.append(len(row) - start)
+        starts = [0] + [j for j, p in enumerate(row) if j and p == 0]
+        lengths += [end - start for start, end in zip(starts, [*starts[1:], len(row)])]
     return masks.causal() if len(lengths) == 1 else masks.document(lengths)
 
 
