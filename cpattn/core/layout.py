@@ -161,10 +161,7 @@ def pieces(layout: Layout, seq_len: int, world: int) -> tuple[int, tuple[int, ..
     ranges = [layout.ranges(seq_len, world, r) for r in range(world)]
     if any(rr is None for rr in ranges):
         raise ValueError(f"layout {layout.name!r} is not made of ranges")
-    piece = seq_len
-    for rr in ranges:
-        for a, b in rr:
-            piece = math.gcd(piece, a, b)
+    piece = math.gcd(seq_len, *(bound for rr in ranges for rng in rr for bound in rng))
     return piece, tuple(p for rr in ranges for a, b in rr for p in range(a // piece, b // piece))
 
 
@@ -183,18 +180,7 @@ def from_pieces(order: tuple[int, ...], seq_len: int, world: int, name: str) -> 
     """The explicit layout that hands out ``seq_len / len(order)``-token pieces in ``order``, an equal
     run of them per rank (the inverse of :func:`pieces`)."""
     order = check_order(order, seq_len, world)
-    n0 = len(order)
-    piece, per_rank = seq_len // n0, n0 // world
-    ranges = []
-    for r in range(world):
-        rr: list[tuple[int, int]] = []
-        for p in order[r * per_rank:(r + 1) * per_rank]:
-            if rr and rr[-1][1] == p * piece:
-                rr[-1] = (rr[-1][0], (p + 1) * piece)
-            else:
-                rr.append((p * piece, (p + 1) * piece))
-        ranges.append(rr)
-    return Layout.explicit(ranges, name=name)
+    return Layout.explicit([source_ranges(r, seq_len // world, seq_len, order) for r in range(world)], name=name)
 
 
 def source_ranges(chunk: int, chunk_len: int, seq_len: int, order: tuple[int, ...] | None

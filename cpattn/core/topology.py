@@ -124,7 +124,6 @@ def _interpolate(points: list[RatePoint], area: int) -> float:
     return math.exp((1 - w) * math.log(best[a0]) + w * math.log(best[a1]))
 
 
-
 @dataclass(frozen=True)
 class Link:
     """``latency`` alpha (seconds per message or per collective step) and ``bandwidth`` 1/beta

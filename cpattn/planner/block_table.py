@@ -23,6 +23,11 @@ WORK_UNIT = 1000
 KINDS = tuple(k.value for k in BlockKind)  # "empty", "full", "causal", "partial"
 
 
+def _area(kind: str, chunk: int) -> int | None:
+    """Allowed pairs of an EMPTY, FULL or CAUSAL cell of ``chunk`` tokens a side; None for PARTIAL."""
+    return {"empty": 0, "full": chunk * chunk, "causal": chunk * (chunk + 1) // 2}.get(kind)
+
+
 @dataclass(frozen=True)
 class BlockTable:
     """``n x n`` cells of ``chunk`` tokens each. ``kinds`` and ``area`` are row-major, length ``n * n``:
@@ -44,7 +49,7 @@ class BlockTable:
             i, j = divmod(idx, self.n)
             if kind not in KINDS:
                 raise ValueError(f"cell ({i}, {j}) has kind {kind!r}; accepted: {', '.join(KINDS)}")
-            expected = {"empty": 0, "full": full, "causal": self.chunk * (self.chunk + 1) // 2}.get(kind)
+            expected = _area(kind, self.chunk)
             if expected is not None and area != expected:
                 raise ValueError(f"cell ({i}, {j}) is {kind} but has area {area}, expected {expected}")
             if kind == "partial" and not 0 < area < full:
@@ -55,14 +60,10 @@ class BlockTable:
 
     def work(self, i: int, j: int) -> int:
         """Compute weight of cell (i, j) in units of ``1 / WORK_UNIT`` FULL cells."""
-        kind = self.kinds[i * self.n + j]
-        if kind == "empty":
-            return 0
-        if kind == "full":
-            return WORK_UNIT
-        if kind == "causal":
-            return WORK_UNIT // 2
-        return max(1, round(WORK_UNIT * self.area[i * self.n + j] / (self.chunk * self.chunk)))
+        kind = self.kind(i, j)
+        if kind == "partial":
+            return max(1, round(WORK_UNIT * self.area[i * self.n + j] / (self.chunk * self.chunk)))
+        return {"empty": 0, "full": WORK_UNIT, "causal": WORK_UNIT // 2}[kind]
 
     def cells(self) -> list[tuple[int, int]]:
         """Non-empty cells, row-major."""
@@ -80,14 +81,16 @@ class BlockTable:
             for big_j in range(n):
                 subs = [(a, b) for a in range(big_i * r, (big_i + 1) * r) for b in range(big_j * r, (big_j + 1) * r)]
                 sub_kinds = {self.kind(a, b) for a, b in subs}
-                triangle = all(self.kind(a, b) == ("causal" if a - big_i * r == b - big_j * r else
-                                                   "full" if a - big_i * r > b - big_j * r else "empty")
-                               for a, b in subs)
-                kind = (sub_kinds.pop() if len(sub_kinds) == 1 and sub_kinds <= {"empty", "full"} else
-                        "causal" if triangle else "partial")
-                kinds.append(kind)
+                kinds.append(sub_kinds.pop() if len(sub_kinds) == 1 and sub_kinds <= {"empty", "full"} else
+                             "causal" if self.causal_square(big_i * r, big_j * r, r) else "partial")
                 areas.append(sum(self.area[a * self.n + b] for a, b in subs))
         return BlockTable(n, self.chunk * r, tuple(kinds), tuple(areas))
+
+    def causal_square(self, i0: int, j0: int, size: int) -> bool:
+        """Whether the ``size x size`` cells from (i0, j0) form one lower triangle: causal cells on its
+        diagonal, full below, empty above."""
+        return all(self.kind(i0 + a, j0 + b) == ("causal" if a == b else "full" if a > b else "empty")
+                   for a in range(size) for b in range(size))
 
     def as_dict(self) -> dict:
         return {"n": self.n, "chunk": self.chunk, "kinds": list(self.kinds), "area": list(self.area)}
@@ -127,14 +130,7 @@ def build(mask: Mask, seq_len: int, n: int, valid_len: int | None = None) -> Blo
             kind = BlockKind.EMPTY if q0 >= valid or k0 >= valid else mask.classify(q0, q1, k0, k1)
             if kind != BlockKind.EMPTY and (q1, k1) != (q0 + c, k0 + c):
                 kind = BlockKind.PARTIAL  # padding cuts into the cell
-            if kind == BlockKind.FULL:
-                area = c * c
-            elif kind == BlockKind.CAUSAL:
-                area = c * (c + 1) // 2
-            elif kind == BlockKind.PARTIAL:
-                area = mask.count(q0, q1, k0, k1)
-            else:
-                area = 0
+            area = mask.count(q0, q1, k0, k1) if kind == BlockKind.PARTIAL else _area(kind.value, c)
             if kind == BlockKind.PARTIAL and area == 0:
                 kind = BlockKind.EMPTY
             kinds.append(kind.value)
@@ -171,5 +167,4 @@ def from_pattern(rows: list[str], chunk: int) -> BlockTable:
     if any(len(r) != n for r in rows):
         raise ValueError(f"a block pattern must be square, got row lengths {[len(r) for r in rows]}")
     kinds = tuple(sym[ch] for r in rows for ch in r)
-    area = {"empty": 0, "full": chunk * chunk, "causal": chunk * (chunk + 1) // 2}
-    return BlockTable(n, chunk, kinds, tuple(area[k] for k in kinds))
+    return BlockTable(n, chunk, kinds, tuple(_area(k, chunk) for k in kinds))

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from ..core.layout import check_order
@@ -40,10 +41,10 @@ from .kernel_graph import OUTPUTS, PHASES, KernelGraph
 from .kernel_graph import build as build_graph
 from .messages import Sizes
 from .model import OP_KINDS, Op, PhasePlan, Plan, PlanOptions, validate
-from .partition_ilp import MessageUnits, PartitionProblem, load_bound
+from .partition_ilp import MessageUnits, load_bound
 from .pricing import Pricing
 from .schedule_ilp import Scheduled, schedule
-from .tiling import allocate, fuse_all, owners
+from .tiling import allocate, fuse_all, grouped_problem, owners
 
 
 def _topology_digest(topology: Topology) -> str:
@@ -54,15 +55,7 @@ def _topology_digest(topology: Topology) -> str:
 def _lpt_ratio(table: BlockTable, devices: int, home: list[int], group: int, eps: float) -> float:
     """Load of an LPT placement of ``table`` (chunks grouped ``group`` at a time) over ``devices``
     units, relative to the ``(1 + eps)`` bound; <= 1 means the granularity can be balanced."""
-    work: dict[tuple[int, int], int] = {}
-    for i, j in table.cells():
-        key = (i // group, j // group)
-        work[key] = work.get(key, 0) + table.work(i, j)
-    cells = sorted(work)
-    homes = {big: home[big * group] for big in range(table.n // group)}
-    pinned = {c: homes[i] for c, (i, j) in enumerate(cells) if i == j}
-    units = MessageUnits.for_phase("forward", 1, 1)
-    problem = PartitionProblem(devices, tuple(cells), tuple(work[k] for k in cells), homes, homes, pinned, units, eps)
+    problem, _ = grouped_problem(table, group, home, devices, MessageUnits.for_phase("forward", 1, 1), eps)
     total = sum(problem.work)
     if total == 0:
         return 0.0
@@ -94,30 +87,33 @@ def _balanced_compute(table: BlockTable, topology: Topology, pricing: Pricing) -
     return max(t for t, _ in heap)
 
 
-def choose_granularity(mask: Mask, topology: Topology, problem: Problem, options: PlanOptions,
-                       valid_len: int | None = None, order: tuple[int, ...] | None = None
+def _chunk_counts(counts: tuple[int, ...], seq_len: int, world: int, options: PlanOptions) -> list[int]:
+    """The chunks per rank of ``counts`` within the granularity limits of ``options``."""
+    return [c for c in counts if c <= options.max_chunks_per_rank and world * c <= options.max_chunks
+            and seq_len % (world * c) == 0 and seq_len // (world * c) >= options.min_chunk_tokens]
+
+
+def choose_granularity(problem: Problem, topology: Topology, options: PlanOptions, order: tuple[int, ...] | None
                        ) -> tuple[BlockTable, int]:
-    """The block table and node-level chunk (see the module docstring); positions ``>= valid_len``
-    are padding. ``order``: the ranks hold the sequence's ``len(order)`` equal pieces in this order
-    (see :func:`cpattn.layout.pieces`; None: contiguous); the table is of the sequence so reordered,
-    classified at a granularity that splits every piece."""
-    world, seq_len = topology.world, problem.padded_len
+    """The block table and node-level chunk (see the module docstring) of ``problem``: its mask over
+    ``padded_len`` tokens, those past ``seq_len`` padding. ``order``: the ranks hold the sequence's
+    ``len(order)`` equal pieces in this order (see :func:`cpattn.layout.pieces`; None: contiguous); the
+    table is of the sequence so reordered, classified at a granularity that splits every piece."""
+    world, seq_len, mask = topology.world, problem.padded_len, problem.mask
     if options.chunks_per_rank is not None:
         if seq_len % (world * options.chunks_per_rank):
             raise ValueError(f"chunks_per_rank={options.chunks_per_rank}: seq_len={seq_len} is not a multiple of "
                              f"world x chunks = {world * options.chunks_per_rank}")
         candidates = [options.chunks_per_rank]
     else:
-        candidates = [c for c in (1, 2, 4, 8, 16, 32) if c == 1 or (
-            c <= options.max_chunks_per_rank and world * c <= options.max_chunks and seq_len % (world * c) == 0
-            and seq_len // (world * c) >= options.min_chunk_tokens)]
+        candidates = [1, *_chunk_counts((2, 4, 8, 16, 32), seq_len, world, options)]
     n_finest = world * candidates[-1] if order is None else math.lcm(world * candidates[-1], len(order))
     if seq_len % n_finest:
         raise ValueError(f"seq_len={seq_len} cannot be cut into {n_finest} chunks (the layout's pieces x ranks)")
-    finest = bt.build_cached(mask, seq_len, n_finest, valid_len)  # classified once, then coarsened
+    finest = bt.build_cached(mask, seq_len, n_finest, problem.seq_len)  # classified once, then coarsened
     if order is not None:
         finest = bt.permute(finest, order)
-    pricing = Pricing(mask, seq_len, seq_len if valid_len is None else valid_len, order, topology.device, problem)
+    pricing = Pricing(mask, seq_len, problem.seq_len, order, topology.device, problem)
     best = None
     for c in candidates:  # finer until the balanced compute time stops improving
         table = finest.coarsen(n_finest // (world * c))
@@ -202,10 +198,12 @@ def request(mask: Mask | str | dict, seq_len: int, topology: Topology, batch: in
     mask = resolve(mask)
     options = options or PlanOptions()
     _check_problem(seq_len, topology, batch, heads, kv_heads, head_dim, dtype)
-    order = _check_order(order, seq_len, topology.world)
+    if order is not None:
+        order = check_order(order, seq_len, topology.world)
+        order = None if order == tuple(range(len(order))) else order  # the identity is contiguous
     valid = seq_len if valid_len is None else valid_len
     problem = Problem(valid, topology.world, mask, batch, heads, kv_heads, head_dim, dtype, padded_len=seq_len)
-    table, node_chunk = choose_granularity(mask, topology, problem, options, valid, order)
+    table, node_chunk = choose_granularity(problem, topology, options, order)
     return Request(mask, seq_len, topology, batch, heads, kv_heads, head_dim, dtype, options, table, node_chunk,
                    valid, order)
 
@@ -223,8 +221,7 @@ def choose_order(mask: Mask | str | dict, seq_len: int, world: int, valid_len: i
     ranks' count become purely local; windows, documents and global rows stay contiguous."""
     mask = resolve(mask)
     options = options or PlanOptions()
-    cands = [c for c in (2, 4, 8) if c <= options.max_chunks_per_rank and world * c <= options.max_chunks
-             and seq_len % (world * c) == 0 and seq_len // (world * c) >= options.min_chunk_tokens]
+    cands = _chunk_counts((2, 4, 8), seq_len, world, options)
     if world == 1 or not cands:
         return None
     n = world * cands[-1]
@@ -251,15 +248,6 @@ def choose_order(mask: Mask | str | dict, seq_len: int, world: int, valid_len: i
     return best_order
 
 
-def _check_order(order, seq_len: int, world: int) -> tuple[int, ...] | None:
-    """``order`` as a tuple, None for the identity; ValueError unless it is a permutation of equal
-    pieces that splits evenly over the ranks."""
-    if order is None:
-        return None
-    order = check_order(order, seq_len, world)
-    return None if order == tuple(range(len(order))) else order
-
-
 def _ops(graph: KernelGraph, timeline: Simulation, world: int) -> tuple[tuple[Op, ...], ...]:
     """Each rank's operations in the order it issues them. Kernels and merges go at their predicted
     start; a transfer is posted, on both its ranks, as soon as what it carries is ready (the end of its
@@ -274,10 +262,8 @@ def _ops(graph: KernelGraph, timeline: Simulation, world: int) -> tuple[tuple[Op
 
     def add(rank: int, kind: str, idx: int, name: str, op_deps: tuple[str, ...]) -> None:
         op = Op(kind, idx, timeline.start[name], timeline.end[name], op_deps)
-        issue = op.start
-        if kind in ("send", "recv"):
-            issue = max((timeline.end[d] for d in deps[name]), default=0.0)
         posting = kind in ("send", "recv")  # cheap and never blocking: first among equal times
+        issue = max((timeline.end[d] for d in deps[name]), default=0.0) if posting else op.start
         per_rank.setdefault(rank, []).append(((issue, not posting, topo[name], OP_KINDS.index(kind)), op))
 
     for k, kn in enumerate(graph.kernels):
@@ -311,15 +297,13 @@ def _topological(graph: KernelGraph) -> list[str]:
     return out
 
 
-def _kernel_bounds(assign: dict[tuple[int, int], int], world: int) -> list[int]:
+def _kernel_bounds(assign: dict[tuple[int, int], int]) -> list[int]:
     """Kernel size bounds to try (cells): 1, 2, 4, ... up to the most cells any rank computes."""
-    most = max((sum(1 for g in assign.values() if g == r) for r in range(world)), default=1)
-    bounds, b = [], 1
-    while True:
-        bounds.append(b)
-        if b >= most:
-            return bounds
-        b *= 2
+    most = max(Counter(assign.values()).values(), default=1)
+    bounds = [1]
+    while bounds[-1] < most:
+        bounds.append(2 * bounds[-1])
+    return bounds
 
 
 def _phase(req: Request, phase: str, problem: Problem, sizes: Sizes, pricing: Pricing) -> PhasePlan:
@@ -331,7 +315,7 @@ def _phase(req: Request, phase: str, problem: Problem, sizes: Sizes, pricing: Pr
     schedule_limit = min(opts.schedule_time_limit, 0.15 * opts.time_budget)
     levels = allocate(table, topology, units, req.node_chunk, opts.eps, partition_limit, opts.seed, opts.use_solver)
     best = None
-    for bound in _kernel_bounds(levels.assign, topology.world):  # doubling; stop once it gets worse
+    for bound in _kernel_bounds(levels.assign):  # doubling; stop once it gets worse
         kernels = fuse_all(table, levels.assign, topology.world, bound)
         graph = build_graph(phase, table, kernels, owner, topology, sizes, pricing)
         makespan = simulate(graph.tasks).makespan

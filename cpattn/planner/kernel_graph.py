@@ -72,39 +72,21 @@ def route(phase: str, kernels: list[TileKernel] | tuple[TileKernel, ...], owner:
           topology: Topology) -> list[Transfer]:
     """Every transfer of ``phase`` for ``kernels`` (see "Routing" in the module docstring), inputs
     first, in a deterministic order."""
-    d = topology.devices_per_node
-    out: dict[Transfer, None] = {}
-
-    def rail_peer(dev: int, chunk: int) -> int:
-        return topology.node_of(dev) * d + topology.local_index(owner[chunk])
-
-    for item, axis in INPUTS[phase]:
-        need = sorted({(chunk, kn.device) for kn in kernels for chunk in _chunks(kn, axis)})
-        for chunk, dev in need:
-            home = owner[chunk]
-            if dev == home:
-                continue
-            if topology.node_of(dev) == topology.node_of(home):
-                out[Transfer(home, dev, item, chunk)] = None
-                continue
-            peer = rail_peer(dev, chunk)
-            out[Transfer(home, peer, item, chunk)] = None
-            if dev != peer:
-                out[Transfer(peer, dev, item, chunk)] = None
-    for item, axis in OUTPUTS[phase]:
-        made = sorted({(chunk, kn.device) for kn in kernels for chunk in _chunks(kn, axis)})
-        for chunk, dev in made:
-            home = owner[chunk]
-            if dev == home:
-                continue
-            if topology.node_of(dev) == topology.node_of(home):
-                out[Transfer(dev, home, item, chunk)] = None
-                continue
-            peer = rail_peer(dev, chunk)
-            if dev != peer:
-                out[Transfer(dev, peer, item, chunk)] = None
-            out[Transfer(peer, home, item, chunk)] = None
     inputs = {item for item, _ in INPUTS[phase]}
+    out: dict[Transfer, None] = {}
+    for item, axis in INPUTS[phase] + OUTPUTS[phase]:
+        for chunk, dev in {(chunk, kn.device) for kn in kernels for chunk in _chunks(kn, axis)}:
+            home = owner[chunk]
+            if dev == home:
+                continue
+            peer = dev  # across nodes: the device of dev's node on the owner's rail
+            if topology.node_of(dev) != topology.node_of(home):
+                peer = topology.node_of(dev) * topology.devices_per_node + topology.local_index(home)
+            path = [home, peer, dev] if peer != dev else [home, dev]
+            if item not in inputs:  # partial results go the other way
+                path.reverse()
+            for src, dst in zip(path, path[1:]):
+                out[Transfer(src, dst, item, chunk)] = None
     return sorted(out, key=lambda t: (t.item not in inputs, t.item in inputs and t.src != owner[t.chunk],
                                       t.item, t.chunk, t.src, t.dst))
 
@@ -166,8 +148,7 @@ def build(phase: str, table: BlockTable, kernels: list[TileKernel], owner: list[
     tasks: list[Task] = []
     for k, kn in enumerate(kernels):
         # the kernel's outputs are folded into per-chunk accumulators on the same lane, right after it
-        folded = sum(len(kn.rows if per == "rows" else kn.cols) * sizes.item_bytes(item)
-                     for item, per in OUTPUTS[phase])
+        folded = sum(len(_chunks(kn, per)) * sizes.item_bytes(item) for item, per in OUTPUTS[phase])
         seconds = pricing.seconds(table, kn.kind, kn.rows, kn.cols, phase) + device.merge_time(folded)
         tasks.append(compute(f"c{k}", kn.device, seconds, deps[f"c{k}"]))
     for n, t in enumerate(transfers):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,12 @@ class MessageUnits:
         if phase == "backward":  # in = 2A + 2B + C + 2D, out = A + 2B + 2C + 2D
             return MessageUnits(2 * q, kv, q, kv, q, kv, 2 * q, kv)
         raise ValueError(f"phase={phase!r} is unknown; accepted: forward, backward")
+
+    def flows(self, a, b, c, d) -> tuple:
+        """``(in, out)`` traffic of a unit that fetches ``a`` rows and ``b`` columns and whose own rows
+        and columns other units fetch ``c`` and ``d`` times (numbers, or the ILP's linear expressions)."""
+        return (self.in_a * a + self.in_b * b + self.in_c * c + self.in_d * d,
+                self.out_a * a + self.out_b * b + self.out_c * c + self.out_d * d)
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,7 @@ def deterministic_solver(seed: int, time_limit: float):
 def traffic(problem: PartitionProblem, assign: tuple[int, ...] | list[int]) -> tuple[list[int], list[int]]:
     """Per-unit ``(in, out)`` message units of ``assign`` (what the ILP's ``in_g``, ``out_g`` equal at
     an optimum: every fetch indicator exactly 1 where needed)."""
-    g_n, u = problem.devices, problem.units
+    g_n = problem.devices
     rows_on = [set() for _ in range(g_n)]
     cols_on = [set() for _ in range(g_n)]
     for (i, j), g in zip(problem.cells, assign):
@@ -130,18 +137,10 @@ def traffic(problem: PartitionProblem, assign: tuple[int, ...] | list[int]) -> t
             rows_on[g].add(i)
         if problem.col_home[j] != g:
             cols_on[g].add(j)
-    a = [len(s) for s in rows_on]
-    b = [len(s) for s in cols_on]
-    c = [0] * g_n
-    d = [0] * g_n
-    for g in range(g_n):
-        for i in rows_on[g]:
-            c[problem.row_home[i]] += 1
-        for j in cols_on[g]:
-            d[problem.col_home[j]] += 1
-    ins = [u.in_a * a[g] + u.in_b * b[g] + u.in_c * c[g] + u.in_d * d[g] for g in range(g_n)]
-    outs = [u.out_a * a[g] + u.out_b * b[g] + u.out_c * c[g] + u.out_d * d[g] for g in range(g_n)]
-    return ins, outs
+    c = Counter(problem.row_home[i] for rows in rows_on for i in rows)
+    d = Counter(problem.col_home[j] for cols in cols_on for j in cols)
+    flows = [problem.units.flows(len(rows_on[g]), len(cols_on[g]), c[g], d[g]) for g in range(g_n)]
+    return [f[0] for f in flows], [f[1] for f in flows]
 
 
 def loads(problem: PartitionProblem, assign: tuple[int, ...] | list[int]) -> list[int]:
@@ -173,6 +172,12 @@ def _summary(problem: PartitionProblem, assign, bound: int, method: str, status:
 
 
 # --------------------------------------------------------------------------------------- load bound
+def _heaviest_first(problem: PartitionProblem) -> list[int]:
+    """The cells that are not pinned, heaviest first (ties in cell order)."""
+    return sorted((c for c in range(len(problem.cells)) if c not in problem.pinned),
+                  key=lambda c: (-problem.work[c], problem.cells[c]))
+
+
 def _lpt(problem: PartitionProblem) -> list[int]:
     """Longest processing time first, ignoring traffic: the most balanced simple placement."""
     assign = [-1] * len(problem.cells)
@@ -180,9 +185,7 @@ def _lpt(problem: PartitionProblem) -> list[int]:
     for c, g in problem.pinned.items():
         assign[c] = g
         load[g] += problem.work[c]
-    free = sorted((c for c in range(len(problem.cells)) if c not in problem.pinned),
-                  key=lambda c: (-problem.work[c], problem.cells[c]))
-    for c in free:
+    for c in _heaviest_first(problem):
         g = min(range(problem.devices), key=lambda u: (load[u], u))
         assign[c] = g
         load[g] += problem.work[c]
@@ -211,23 +214,15 @@ def greedy(problem: PartitionProblem) -> Partition:
     cols_on = [set() for _ in range(g_n)]
 
     def deltas(i: int, j: int, g: int) -> dict[int, tuple[int, int]]:
-        d: dict[int, list[int]] = {}
+        """``{unit: (in, out)}`` that placing a cell of row i and column j on g adds."""
         hi, hj = problem.row_home[i], problem.col_home[j]
-        if hi != g and i not in rows_on[g]:
-            d.setdefault(g, [0, 0])
-            d[g][0] += u.in_a
-            d[g][1] += u.out_a
-            d.setdefault(hi, [0, 0])
-            d[hi][0] += u.in_c
-            d[hi][1] += u.out_c
-        if hj != g and j not in cols_on[g]:
-            d.setdefault(g, [0, 0])
-            d[g][0] += u.in_b
-            d[g][1] += u.out_b
-            d.setdefault(hj, [0, 0])
-            d[hj][0] += u.in_d
-            d[hj][1] += u.out_d
-        return {k: (v[0], v[1]) for k, v in d.items()}
+        a = hi != g and i not in rows_on[g]  # g newly fetches row i
+        b = hj != g and j not in cols_on[g]  # and column j
+        d: dict[int, tuple[int, int]] = {}
+        for unit, (di, do) in ((g, u.flows(a, b, 0, 0)), (hi, u.flows(0, 0, a, 0)), (hj, u.flows(0, 0, 0, b))):
+            old = d.get(unit, (0, 0))
+            d[unit] = (old[0] + di, old[1] + do)
+        return d
 
     def place(c: int, g: int) -> None:
         i, j = problem.cells[c]
@@ -243,9 +238,7 @@ def greedy(problem: PartitionProblem) -> Partition:
 
     for c, g in sorted(problem.pinned.items()):
         place(c, g)
-    free = sorted((c for c in range(len(problem.cells)) if c not in problem.pinned),
-                  key=lambda c: (-problem.work[c], problem.cells[c]))
-    for c in free:
+    for c in _heaviest_first(problem):
         i, j = problem.cells[c]
         v_now = max(ins + outs)
         best = None
@@ -318,8 +311,7 @@ def solve(problem: PartitionProblem, time_limit: float = 5.0, seed: int = 0) -> 
     for c, g in problem.pinned.items():
         pinned_load[g] += problem.work[c]
     for g in range(g_n):
-        tin = u.in_a * fetch_a[g] + u.in_b * fetch_b[g] + u.in_c * own_c[g] + u.in_d * own_d[g]
-        tout = u.out_a * fetch_a[g] + u.out_b * fetch_b[g] + u.out_c * own_c[g] + u.out_d * own_d[g]
+        tin, tout = u.flows(fetch_a[g], fetch_b[g], own_c[g], own_d[g])
         m.add(tin <= v)
         m.add(tout <= v)
         total += tin + tout

@@ -65,15 +65,15 @@ def _cpsat_order(tasks: Sequence[Task], greedy: Simulation, time_limit: float,
     m = cp_model.CpModel()
     start = {t.name: m.new_int_var(0, horizon - dur[t.name], f"s_{t.name}") for t in tasks}
     interval = {t.name: m.new_fixed_size_interval_var(start[t.name], dur[t.name], f"i_{t.name}") for t in tasks}
-    lanes: dict[str, list] = {}
+    lanes: dict[str, list[str]] = {}  # lane -> its tasks, in task order
     for t in tasks:
         for ln in t.lanes:
-            lanes.setdefault(ln, []).append(interval[t.name])
+            lanes.setdefault(ln, []).append(t.name)
         for d in t.deps:
             m.add(start[t.name] >= start[d] + dur[d])
-    for ivs in lanes.values():
-        if len(ivs) > 1:
-            m.add_no_overlap(ivs)
+    for names in lanes.values():
+        if len(names) > 1:
+            m.add_no_overlap([interval[name] for name in names])
     makespan = m.new_int_var(0, horizon, "makespan")
     for t in tasks:
         m.add(makespan >= start[t.name] + dur[t.name])
@@ -85,10 +85,7 @@ def _cpsat_order(tasks: Sequence[Task], greedy: Simulation, time_limit: float,
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, "solver timed out" if status == cp_model.UNKNOWN else f"solver {solver.status_name(status)}"
     rank = {t.name: n for n, t in enumerate(tasks)}
-    order: dict[str, list[str]] = {}
-    for ln in lanes:
-        names = [t.name for t in tasks if ln in t.lanes]
-        order[ln] = sorted(names, key=lambda name: (solver.value(start[name]), rank[name]))
+    order = {ln: sorted(names, key=lambda name: (solver.value(start[name]), rank[name])) for ln, names in lanes.items()}
     return order, "OPTIMAL" if status == cp_model.OPTIMAL else "FEASIBLE (time limit)"
 
 

@@ -123,6 +123,23 @@ def _level_problem(cells: list[tuple[int, int]], work: list[int], row_home: dict
     return PartitionProblem(devices, tuple(cells), tuple(work), row_home, col_home, pinned, units, eps)
 
 
+def grouped_problem(table: BlockTable, m: int, home: list[int], devices: int, units: MessageUnits,
+                    eps: float) -> tuple[PartitionProblem, bool]:
+    """The cells of ``table`` grouped ``m x m`` (``m`` consecutive chunks a side) as one level's problem
+    on ``devices`` units, group g of chunks homed, and its diagonal cell pinned, on the unit of its first
+    chunk, ``home[g * m]``; and whether the closed-form grid applies (all FULL, a complete product)."""
+    work: dict[tuple[int, int], int] = {}
+    full_cells: dict[tuple[int, int], int] = {}
+    for i, j in table.cells():
+        key = (i // m, j // m)
+        work[key] = work.get(key, 0) + table.work(i, j)
+        full_cells[key] = full_cells.get(key, 0) + (table.kind(i, j) == "full")
+    cells = sorted(work)
+    homes = {big: home[big * m] for big in range(table.n // m)}
+    full = all(full_cells[k] == m * m for k in cells) and _complete_product(cells)
+    return _level_problem(cells, [work[k] for k in cells], homes, homes, homes, units, devices, eps), full
+
+
 def allocate(table: BlockTable, topology: Topology, units: MessageUnits, node_chunk: int, eps: float = 0.1,
              time_limit: float = 5.0, seed: int = 0, use_solver: bool = True) -> Levels:
     """Place every non-empty cell of ``table`` on a rank of ``topology`` (node level, then device
@@ -140,20 +157,10 @@ def allocate(table: BlockTable, topology: Topology, units: MessageUnits, node_ch
         node_of_cell = {cell: 0 for cell in cells}
     else:
         m = node_chunk
-        node_home = {big: topology.node_of(owner[big * m]) for big in range(table.n // m)}
-        work: dict[tuple[int, int], int] = {}
-        full_cells: dict[tuple[int, int], int] = {}
-        for i, j in cells:
-            key = (i // m, j // m)
-            work[key] = work.get(key, 0) + table.work(i, j)
-            full_cells[key] = full_cells.get(key, 0) + (table.kind(i, j) == "full")
-        big_cells = sorted(work)
-        full = all(full_cells[k] == m * m for k in big_cells) and _complete_product(big_cells)
-        problem = _level_problem(big_cells, [work[k] for k in big_cells], node_home, node_home, node_home, units,
-                                 topology.nodes, eps)
+        problem, full = grouped_problem(table, m, [topology.node_of(o) for o in owner], topology.nodes, units, eps)
         part = place(problem, full, time_limit, seed, use_solver)
-        reports.append({"level": "node", "units": topology.nodes, "cells": len(big_cells), **part.report()})
-        big_assign = dict(zip(big_cells, part.assign))
+        reports.append({"level": "node", "units": topology.nodes, "cells": len(problem.cells), **part.report()})
+        big_assign = dict(zip(problem.cells, part.assign))
         node_of_cell = {(i, j): big_assign[(i // m, j // m)] for i, j in cells}
     problems: list[tuple[int, list[tuple[int, int]], PartitionProblem, bool]] = []
     for node in range(topology.nodes):
@@ -187,18 +194,6 @@ def allocate(table: BlockTable, topology: Topology, units: MessageUnits, node_ch
 
 
 # --------------------------------------------------------------------------------------- kernel level
-def _causal_square_ok(table: BlockTable, on: set[tuple[int, int]], a: int, b: int) -> bool:
-    """Rows/cols [a, b) form one causal square: diagonal cells causal, below full, above empty, all
-    non-empty cells on this device."""
-    for i in range(a, b):
-        for j in range(a, b):
-            kind = table.kind(i, j)
-            want = "causal" if i == j else ("full" if i > j else "empty")
-            if kind != want or (kind != "empty" and (i, j) not in on):
-                return False
-    return True
-
-
 def _max_rectangle(grid: list[list[bool]]) -> tuple[int, int, int, int, int]:
     """Largest all-True rectangle of a boolean grid: ``(area, r0, r1, c0, c1)`` (half-open); the first
     found (top-most, then left-most) among equal areas."""
@@ -247,8 +242,8 @@ def fuse(table: BlockTable, assign: dict[tuple[int, int], int], device: int, max
     k = 0
     while k < len(diag):
         a, b = diag[k], diag[k] + 1
-        while (b in diag and (b - a + 1) * (b - a + 1) // 2 <= max_cells
-               and _causal_square_ok(table, on, a, b + 1)):
+        while (b in diag and (b - a + 1) * (b - a + 1) // 2 <= max_cells and table.causal_square(a, a, b + 1 - a)
+               and all((i, j) in on for i in range(a, b + 1) for j in range(a, i + 1))):  # all on this device
             b += 1
         square = tuple(range(a, b))
         kernels.append(TileKernel(device, square, square, "causal"))
@@ -264,8 +259,9 @@ def fuse(table: BlockTable, assign: dict[tuple[int, int], int], device: int, max
         hh, ww = _cut(r1 - r0, c1 - c0, max_cells)
         rect_rows, rect_cols = tuple(rows[r0:r0 + hh]), tuple(cols[c0:c0 + ww])
         kernels.append(TileKernel(device, rect_rows, rect_cols, "full"))
-        full -= {(i, j) for i in rect_rows for j in rect_cols}
-        left -= {(i, j) for i in rect_rows for j in rect_cols}
+        rect = {(i, j) for i in rect_rows for j in rect_cols}
+        full -= rect
+        left -= rect
     for i, j in sorted(left):
         kernels.append(TileKernel(device, (i,), (j,), table.kind(i, j)))
     return sorted(kernels, key=lambda kn: (kn.rows, kn.cols))

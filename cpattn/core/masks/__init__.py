@@ -24,6 +24,8 @@ O(rows x columns)).
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 
 import torch
@@ -139,10 +141,7 @@ def from_spec(spec: dict | str) -> Mask:
         parts = [from_spec(s) for s in args.get("masks", [])]
         if len(parts) < 2 or set(args) != {"masks"}:
             raise ValueError(f"a {kind!r} mask spec needs 'masks': a list of at least two mask specs")
-        out = parts[0]
-        for p in parts[1:]:
-            out = (out & p) if kind == "and" else (out | p)
-        return out
+        return functools.reduce(operator.and_ if kind == "and" else operator.or_, parts)
     try:
         return _KINDS[kind](**args)
     except TypeError as exc:
@@ -160,11 +159,7 @@ def resolve(mask: Mask | str | dict) -> Mask:
     """Accept a :class:`Mask`, the strings ``"causal"`` / ``"full"``, or a :func:`from_spec` dict."""
     if isinstance(mask, Mask):
         return mask
-    if mask == "causal":
-        return causal()
-    if mask == "full":
-        return full()
-    if isinstance(mask, dict):
+    if mask in ("causal", "full") or isinstance(mask, dict):
         return from_spec(mask)
     raise ValueError(f"mask={mask!r} is not a Mask; accepted: a cpattn.masks.Mask, 'causal', 'full' or a "
                      "mask spec dict (cpattn.masks.from_spec)")

@@ -139,13 +139,13 @@ def _triangle_in(rect: tuple[int, int, int, int], r0: int, r1: int, c0: int, c1:
     return triangle(*_within(rect, r0, r1, c0, c1), delta, flip)
 
 
-def _cell_cover(rect: tuple[int, int, int, int], bs: int, qb0: int, kb0: int,
-                codes: torch.Tensor) -> list[Piece] | None:
+def _cell_cover(rect: tuple[int, int, int, int], bs: int, codes: torch.Tensor) -> list[Piece] | None:
     """Cover from block cells: ``codes[i, j]`` (0 empty, 1 full, 2 causal on the cell's own corner) of
-    query block ``qb0 + i`` against key block ``kb0 + j``, each cell of ``bs`` tokens a side."""
+    the i-th query block against the j-th key block that ``rect`` meets, each cell of ``bs`` tokens a side."""
     nz = codes.nonzero()
     if nz.shape[0] > MAX_COVER_STEPS:
         return None
+    qb0, kb0 = rect[0] // bs, rect[2] // bs
     out: list[Piece] = []
     for (i, j), code in zip(nz.tolist(), codes[nz[:, 0], nz[:, 1]].tolist()):
         qb, kb = qb0 + i, kb0 + j
@@ -154,8 +154,13 @@ def _cell_cover(rect: tuple[int, int, int, int], bs: int, qb0: int, kb0: int,
     return out
 
 
-def _block_range(a: int, b: int, bs: int) -> torch.Tensor:
-    return torch.arange(a // bs, (b - 1) // bs + 1)
+def _block_cover(rect: tuple[int, int, int, int], bs: int, mask_mod, causal: bool = False) -> list[Piece] | None:
+    """Cover of a mask on blocks of ``bs`` tokens: ``mask_mod`` at the blocks' first tokens says which
+    block pairs of ``rect`` attend (FULL); with ``causal``, those on the diagonal are CAUSAL."""
+    q0, q1, k0, k1 = rect
+    qb, kb = torch.arange(q0 // bs, (q1 - 1) // bs + 1).unsqueeze(1), torch.arange(k0 // bs, (k1 - 1) // bs + 1)
+    codes = mask_mod(qb * bs, kb * bs).long()
+    return _cell_cover(rect, bs, torch.where(qb == kb, 2 * codes, codes) if causal else codes)
 
 
 def _col(t: torch.Tensor) -> torch.Tensor:

@@ -38,9 +38,6 @@ class FullMask(IntervalMask):
     def intervals(self, q, k0, k1):
         return _col(torch.full_like(q, k0)), _col(torch.full_like(q, k1))
 
-    def spec(self) -> dict:
-        return {"kind": "full"}
-
 
 @dataclass(frozen=True, repr=False)
 class CausalMask(IntervalMask):
@@ -69,11 +66,8 @@ class CausalMask(IntervalMask):
     def intervals(self, q, k0, k1):
         return _col(torch.zeros_like(q)), _col(q + 1)
 
-    def spec(self) -> dict:
-        return {"kind": "causal"}
 
-
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True)
 class SlidingWindowMask(IntervalMask):
     """Causal: query q attends key k when ``q - window < k <= q`` (``window`` keys, itself included;
     flash-attn's ``window_size=(window - 1, 0)``). Bidirectional: when ``|q - k| < window``
@@ -124,10 +118,3 @@ class SlidingWindowMask(IntervalMask):
                 out += _full_in(rect, a, a + t, a + t - w, a + w)
                 out += _triangle_in(rect, a, a + t, a + w, a + t + w - 1, w - 1)
         return out
-
-    def spec(self) -> dict:
-        return {"kind": "sliding_window", "window": self.window, "causal": self.causal}
-
-    def __repr__(self) -> str:
-        return f"SlidingWindowMask(window={self.window}, causal={self.causal})"
-

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -57,8 +58,11 @@ class Mask:
         """Raise ``ValueError`` if the mask cannot describe a sequence of ``seq_len`` tokens."""
 
     def spec(self) -> dict:
-        """JSON-able description (``{"kind": ..., **arguments}``); :func:`from_spec` rebuilds the mask."""
-        raise TypeError(f"mask {self.name!r} ({type(self).__name__}) has no JSON description")
+        """JSON-able description (``{"kind": ..., **arguments}``); :func:`from_spec` rebuilds the mask. A
+        dataclass mask's arguments are its fields (those of its constructor, in :func:`from_spec`)."""
+        if not dataclasses.is_dataclass(self):
+            raise TypeError(f"mask {self.name!r} ({type(self).__name__}) has no JSON description")
+        return {"kind": self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}}
 
     def __and__(self, other: Mask) -> Mask:
         return AndMask(self, _as_mask(other))

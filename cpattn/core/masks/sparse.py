@@ -11,7 +11,7 @@ from .base import (
     BAND_MAX_WINDOW,
     MAX_COVER_STEPS,
     BlockKind,
-    _block_range,
+    _block_cover,
     _cell_cover,
     _col,
     _full_in,
@@ -23,7 +23,7 @@ from .basic import SlidingWindowMask
 from .mask import IntervalMask
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True)
 class StreamingMask(IntervalMask):
     """StreamingLLM / UltraAttn "stream": positions grouped in blocks of ``block_size`` tokens (the block
     of position p is ``p // block_size``). Query q attends key k when ``k <= q`` and either k's block is
@@ -80,12 +80,6 @@ class StreamingMask(IntervalMask):
             out += _triangle_in(rect, a, b, a, b, 0)
         return out
 
-    def spec(self) -> dict:
-        return {"kind": "streaming", "sink": self.sink, "window": self.window, "block_size": self.block_size}
-
-    def __repr__(self) -> str:
-        return f"StreamingMask(sink={self.sink}, window={self.window}, block_size={self.block_size})"
-
 
 @dataclass(frozen=True, repr=False)
 class StarMask(StreamingMask):
@@ -102,7 +96,7 @@ class StarMask(StreamingMask):
         return f"StarMask(block_size={self.block_size}, sink={self.sink})"
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True)
 class GlobalLocalMask(IntervalMask):
     """UltraAttn "global+local" (bidirectional), on blocks of ``block_size`` tokens: query q attends key k
     when q's block is one of the first ``global_blocks`` (global rows), or k's block is (global
@@ -136,21 +130,10 @@ class GlobalLocalMask(IntervalMask):
                 torch.stack([torch.full_like(q, g * bs), band_end], 1))
 
     def cover(self, q0, q1, k0, k1):
-        qb, kb = _block_range(q0, q1, self.block_size).unsqueeze(1), _block_range(k0, k1, self.block_size)
-        g = self.global_blocks
-        ok = (qb < g) | (kb < g) | ((qb - kb).abs() < self.local_blocks)
-        return _cell_cover((q0, q1, k0, k1), self.block_size, int(qb[0]), int(kb[0]), ok.long())
-
-    def spec(self) -> dict:
-        return {"kind": "global_local", "block_size": self.block_size, "global_blocks": self.global_blocks,
-                "local_blocks": self.local_blocks}
-
-    def __repr__(self) -> str:
-        return (f"GlobalLocalMask(block_size={self.block_size}, global_blocks={self.global_blocks}, "
-                f"local_blocks={self.local_blocks})")
+        return _block_cover((q0, q1, k0, k1), self.block_size, self.mask_mod)
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True)
 class StridedMask(IntervalMask):
     """Strided (banded groups), on blocks of ``block_size`` tokens, with ``dq = block(q) - block(k)``:
     query q attends key k when ``|dq| < local`` (a band of ``local`` blocks each side of the diagonal,
@@ -206,20 +189,7 @@ class StridedMask(IntervalMask):
                 torch.cat([_col(band_end), torch.where(keep, (b + 1) * bs, 0)], 1))
 
     def cover(self, q0, q1, k0, k1):
-        qb, kb = _block_range(q0, q1, self.block_size).unsqueeze(1), _block_range(k0, k1, self.block_size)
-        dq = qb - kb
-        codes = ((dq.abs() < self.local) | (dq % self.stride == 0)).long()
-        if self.causal:
-            codes = torch.where(dq < 0, 0, torch.where(dq == 0, 2 * codes, codes))
-        return _cell_cover((q0, q1, k0, k1), self.block_size, int(qb[0]), int(kb[0]), codes)
-
-    def spec(self) -> dict:
-        return {"kind": "strided", "block_size": self.block_size, "stride": self.stride, "local": self.local,
-                "causal": self.causal}
-
-    def __repr__(self) -> str:
-        return (f"StridedMask(block_size={self.block_size}, stride={self.stride}, local={self.local}, "
-                f"causal={self.causal})")
+        return _block_cover((q0, q1, k0, k1), self.block_size, self.mask_mod, self.causal)
 
 
 _CELL_CODES = {0: 0, 1: 1, 2: 2, "empty": 0, "full": 1, "causal": 2,
@@ -308,9 +278,8 @@ class BlockTableMask(IntervalMask):
 
     def cover(self, q0, q1, k0, k1):
         bs = self.block_size
-        qb0, kb0 = q0 // bs, k0 // bs
-        codes = torch.tensor(self.table, dtype=torch.long)[qb0:(q1 - 1) // bs + 1, kb0:(k1 - 1) // bs + 1]
-        return _cell_cover((q0, q1, k0, k1), bs, qb0, kb0, codes)
+        codes = torch.tensor(self.table, dtype=torch.long)[q0 // bs:(q1 - 1) // bs + 1, k0 // bs:(k1 - 1) // bs + 1]
+        return _cell_cover((q0, q1, k0, k1), bs, codes)
 
     def check_seq_len(self, seq_len: int) -> None:
         n, m = self.shape
