@@ -5,6 +5,7 @@ measures them (``cpattn.lab.calibrate``) and as ``cpattn bench --predict``'s spe
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -34,10 +35,7 @@ def block_inputs(n: int, batch: int, heads: int, kv_heads: int, head_dim: int, d
     ``dtype`` on ``device`` (seeded by ``n``)."""
     g = torch.Generator().manual_seed(n)
     dt = kernels.DTYPES[dtype]
-    q = torch.randn(batch, n, heads, head_dim, generator=g).to(device, dt)
-    k = torch.randn(batch, n, kv_heads, head_dim, generator=g).to(device, dt)
-    v = torch.randn(batch, n, kv_heads, head_dim, generator=g).to(device, dt)
-    return q, k, v
+    return tuple(torch.randn(batch, n, h, head_dim, generator=g).to(device, dt) for h in (heads, kv_heads, kv_heads))
 
 
 def kernel_calls(kind: str, n: int, pieces: int = 1, *, batch: int, heads: int, kv_heads: int, head_dim: int,
@@ -58,27 +56,15 @@ def kernel_calls(kind: str, n: int, pieces: int = 1, *, batch: int, heads: int, 
         mask = (idx[:, None] - idx[None, :]).abs() < max(1, n // 4)
     scale = kernels.default_scale(head_dim)
     if pieces > 1:
-        def fwd_call():
-            return kernels.forward_stacked(q, k, v, block, scale, pieces)
-
-        def bwd_call():
-            return kernels.backward_stacked(dout, q, k, v, out, lse, block, scale, pieces)
+        fwd, bwd, tail = kernels.forward_stacked, kernels.backward_stacked, (block, scale, pieces)
     elif path is not None:
-        def fwd_call():
-            return kernels.forward_with(path, q, k, v, block, scale, mask)
-
-        def bwd_call():
-            return kernels.backward_with(path, dout, q, k, v, out, lse, block, scale, mask)
+        fwd, bwd, tail = partial(kernels.forward_with, path), partial(kernels.backward_with, path), (block, scale, mask)
     else:
-        def fwd_call():
-            return kernels.forward(q, k, v, block, scale, mask)
-
-        def bwd_call():
-            return kernels.backward(dout, q, k, v, out, lse, block, scale, mask)
-    out, lse = fwd_call()
+        fwd, bwd, tail = kernels.forward, kernels.backward, (block, scale, mask)
+    out, lse = fwd(q, k, v, *tail)
     out = out.to(q.dtype)
     dout = torch.randn_like(q)
-    return {"forward": fwd_call, "backward": bwd_call}
+    return {"forward": lambda: fwd(q, k, v, *tail), "backward": lambda: bwd(dout, q, k, v, out, lse, *tail)}
 
 
 __all__ = ["SHAPE", "block_inputs", "kernel_calls", "shape_of", "square_kernel"]

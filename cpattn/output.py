@@ -164,13 +164,7 @@ def footnotes(notes: Sequence[str]) -> tuple[list[str], list[str]]:
     (equal notes share a number; an empty note has an empty mark) and ``texts`` the numbered notes to
     print under the table, each once."""
     numbers: dict[str, int] = {}
-    marks = []
-    for note in notes:
-        if not note:
-            marks.append("")
-            continue
-        n = numbers.setdefault(note, len(numbers) + 1)
-        marks.append(f"({n})")
+    marks = [f"({numbers.setdefault(note, len(numbers) + 1)})" if note else "" for note in notes]
     return marks, [f"({n}) {note}" for note, n in numbers.items()]
 
 

@@ -62,14 +62,13 @@ def spans(recorded: dict, rank: int) -> dict:
     return {"rank": rank, "origin": recorded["origin"], "compute": compute, "transfers": transfers, "phases": phases}
 
 
-def align(ranks: list[dict], zero: int | None = None) -> list[dict]:
-    """``ranks`` (from :func:`spans`) shifted so that ``zero`` (default: the earliest ``origin``) is 0.
+def align(ranks: list[dict]) -> list[dict]:
+    """``ranks`` (from :func:`spans`) shifted so that the earliest ``origin`` is 0.
 
     The ranks of a local world are processes of one host, whose ``perf_counter_ns`` is the one
     system-wide monotonic clock, so their stamps are comparable as they are: subtracting one common
     zero keeps the true offsets between ranks (a rank that leaves the barrier later starts later)."""
-    if zero is None:
-        zero = min(r["origin"] for r in ranks)
+    zero = min(r["origin"] for r in ranks)
 
     def shift(items: list[dict]) -> list[dict]:
         return [{**s, **{k: s[k] - zero for k in ("t0", "wait", "t1") if k in s}} for s in items]
@@ -199,10 +198,8 @@ def chrome_trace(ranks: list[dict], meta: dict | None = None) -> dict:
         events += [_meta("process_name", pid, None, {"name": f"rank {pid}"}),
                    _meta("process_sort_index", pid, None, {"sort_index": pid})]
         threads = [(STEP_TID, "step"), (COMPUTE_TID, "compute")]
-        for s in r["phases"]:
-            events.append(_complete(s["name"], "step", pid, STEP_TID, s["t0"], s["t1"]))
-        for s in r["compute"]:
-            events.append(_complete(s["name"], "compute", pid, COMPUTE_TID, s["t0"], s["t1"], s["args"]))
+        events += [_complete(s["name"], "step", pid, STEP_TID, s["t0"], s["t1"]) for s in r["phases"]]
+        events += [_complete(s["name"], "compute", pid, COMPUTE_TID, s["t0"], s["t1"], s["args"]) for s in r["compute"]]
         for k, (label, idx) in enumerate(lanes(r["transfers"])):
             tid = COMPUTE_TID + 1 + k
             threads.append((tid, label))

@@ -354,8 +354,7 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
     fwd_flops, total_flops = flops(cfg)
 
     def fail(res: list) -> str | None:
-        errs = [r for r in res if isinstance(r, RankError)]
-        return f"{errs[0]}" if errs else None
+        return next((str(r) for r in res if isinstance(r, RankError)), None)
 
     masked = is_masked(mask)
     flex = masked if flex is None else flex
@@ -392,14 +391,13 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
             res = w.run(rank_bench, timeout=timeout, name=name, schedule=name, cfg=asdict(cfg), timeline=timeline,
                         probe=speed_probe)
             row = BenchRow(name)
+            rows.append(row)
             if fail(res):
                 row.ok, row.note = False, fail(res)
-                rows.append(row)
                 continue
             row.error = max(_rel(_assemble(res, n), ref[n]) for n in ref)
             if not row.error <= CHECK_TOLERANCE[cfg.dtype]:
                 row.ok, row.note = False, f"WRONG: relative error {row.error:.2e} vs one process"
-                rows.append(row)
                 continue
             row.fwd_s, row.fwd_bwd_s = _slowest_median(res, "fwd"), _slowest_median(res, "fwd_bwd")
             row.tflops_per_rank = total_flops / row.fwd_bwd_s / cfg.world / 1e12
@@ -422,7 +420,6 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
                     row.hidden_fraction = summ["hidden_fraction"]
                 row.extra["timeline"] = {"hidden_fraction": summ["hidden_fraction"], "hidden_min": summ["hidden_min"],
                                          "step_s": summ["step_s"], "per_rank": summ["ranks"], "spans": ranks}
-            rows.append(row)
     baseline = {"fwd_s": base_f, "fwd_bwd_s": base_fb, "peak_mem_bytes": base[0]["peak"],
                 "tflops": total_flops / base_fb / 1e12, "fwd_flops": fwd_flops, "fwd_bwd_flops": total_flops}
     if causal is not None:

@@ -77,9 +77,7 @@ def _link(op: CommOp, topo: Topology) -> Link:
 def _sendrecv(op: CommOp, topo: Topology) -> float:
     """Every rank of the group sends ``op.bytes`` to the rank ``op.peer`` after it (cyclically)."""
     n = op.bytes
-    if op.group == "node" or topo.nodes == 1:
-        return topo.link_for("sendrecv").time(n)
-    if op.group == "rail":  # every rail at once: devices_per_node flows leave each node
+    if op.group != "world" or topo.nodes == 1:  # on rails: every rail at once, devices_per_node flows leave each node
         return _link(op, topo).time(n)
     p, d = topo.world, topo.devices_per_node
     flows_per_nic = [0] * topo.nics_per_node
@@ -99,7 +97,7 @@ def _sendrecv(op: CommOp, topo: Topology) -> float:
 def _all_to_all(op: CommOp, topo: Topology, g: int) -> float:
     n = op.bytes
     if op.group != "world" or topo.nodes == 1:
-        link = topo.link_for("all_to_all") if op.group == "node" or topo.nodes == 1 else _link(op, topo)
+        link = _link(op, topo)
         return (g - 1) * link.latency + (g - 1) * n / g / link.bandwidth
     d = topo.devices_per_node
     intra = (d - 1) * n / g / topo.intra.bandwidth

@@ -23,7 +23,6 @@ A schedule that plans (``Schedule.make_plan``: ``ultra``) is estimated from its 
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -39,8 +38,6 @@ from ..core.steps import CommOp, Problem, Step, group_size, split_phase, wire
 from ..core.topology import Topology
 from ..schedules.base import Schedule
 from .collectives import algorithm, op_times
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,18 +79,14 @@ class Estimate:
         return self.flops / self.total / world / 1e12 if self.total > 0 else float("nan")
 
 
-def _schedule(schedule: Schedule | str) -> Schedule:
-    return schedules.resolve(schedule)
-
-
 def declares_steps(schedule: Schedule | str) -> bool:
     """Whether ``schedule`` implements ``steps``."""
-    return type(_schedule(schedule)).steps is not Schedule.steps
+    return type(schedules.resolve(schedule)).steps is not Schedule.steps
 
 
 def estimable(schedule: Schedule | str) -> bool:
     """Whether :func:`estimate` can predict ``schedule``: it declares ``steps`` or makes plans."""
-    sched = _schedule(schedule)
+    sched = schedules.resolve(schedule)
     return declares_steps(sched) or sched.make_plan is not None
 
 
@@ -120,8 +113,6 @@ def plan_estimate(plan: Plan, problem: Problem, phase: str, name: str) -> Estima
         peak = max(peak, resident_bytes(problem, ph) + p.buffer_bytes)
     return Estimate(total, compute, comm, total - compute, sent, peak, name, phase, problem.flops(phase),
                     wire_bytes_per_rank=sent)
-
-
 
 
 def resident_bytes(problem: Problem, phase: str) -> int:
@@ -153,10 +144,7 @@ def busiest_bytes_sent(steps: list[Step], topology: Topology) -> int:
 def busiest_wire_sent(steps: list[Step], topology: Topology) -> int:
     """Bytes sent on the wire by the rank that sends most over ``steps``: each op counted per rank by
     ``cpattn.core.steps.wire`` under the algorithm the cost model resolves for it on ``topology``."""
-    per_rank = np.zeros(topology.world, dtype=np.int64)
-    for st in steps:
-        for op in st.comm:
-            per_rank += wire_by_rank(op, topology)
+    per_rank = sum((wire_by_rank(op, topology) for st in steps for op in st.comm), np.zeros(topology.world, np.int64))
     return int(per_rank.max(initial=0))
 
 
@@ -192,7 +180,7 @@ def estimate(schedule: Schedule | str, problem: Problem, topology: Topology,
     plans from its plan (:func:`plan_estimate`: ``plan``, else the one it makes, kept in the active
     memo scope; making a plan is deterministic). Raises NotImplementedError when the schedule has
     neither, ValueError when it cannot run the problem."""
-    sched = _schedule(schedule)
+    sched = schedules.resolve(schedule)
     if not estimable(sched):
         raise NotImplementedError(
             f"schedule {sched.name!r} does not implement steps(problem, phase, topology), so the cost model cannot "
@@ -268,7 +256,7 @@ _OVER_MEMORY = "needs "
 def check_supports(schedule: Schedule | str, problem: Problem) -> None:
     """Raise (ValueError / TypeError / NotImplementedError) unless ``schedule`` can run ``problem``:
     mask, layout split, shape and dtype (its own checks, on meta tensors), and a model (:func:`estimable`)."""
-    sched = _schedule(schedule)
+    sched = schedules.resolve(schedule)
     sched.check_mask(problem.mask)
     problem.layout_or(sched.layout_for(problem.mask)).check(problem.padded_len, problem.world)
     dtype = DTYPES[problem.dtype]
@@ -318,9 +306,8 @@ def choose(problem: Problem, topology: Topology, names: list[str] | None = None,
     if (not ranked or not isinstance(ranked[0][1], Estimate)) and nominal_shape:
         over = [n for n, r in ranked if isinstance(r, str) and r.startswith(_OVER_MEMORY)]
         if over:
-            lean = min(((estimate(n, problem, topology), n) for n in over),
-                       key=lambda item: (item[0].peak_memory, item[0].total))
-            est, best = lean
+            est, best = min(((estimate(n, problem, topology), n) for n in over),
+                            key=lambda item: (item[0].peak_memory, item[0].total))
             return best, (f"no schedule fits {topology.device.memory / 2**30:.1f} GiB per rank for the nominal "
                           f"shape (S={problem.seq_len}, P={problem.world}, h={problem.heads}, d={problem.head_dim}); "
                           f"{best} needs the least ({est.peak_memory / 2**30:.1f} GiB)")

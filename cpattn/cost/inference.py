@@ -75,29 +75,31 @@ def decode_merge_ops(merge: str, rows: int, heads: int, head_dim: int) -> list[C
     raise ValueError(f"merge={merge!r} is unknown; accepted: {', '.join(MERGES)}")
 
 
-def _times(ops_of: dict[str, list[CommOp]], topology: Topology) -> dict[str, float]:
-    return {name: sum(op_time(op, topology) for op in ops) for name, ops in ops_of.items()}
-
-
 def _payload(ops: list[CommOp], world: int) -> int:
     """Bytes one rank sends for ``ops`` (``cpattn.core.comm`` accounting)."""
     return sum(payload(op.op, op.bytes, world, 0)[0] for op in ops)
 
 
+def _faster(ops: dict[str, list[CommOp]], topology: Topology) -> tuple[str, str]:
+    """``(best, why)``: of two ways (``{name: the collectives of one layer}``, ties to the first), the one
+    with the smaller predicted time on ``topology`` (its world is the group); ``why`` gives both
+    predictions and payloads."""
+    world = topology.world
+    times = {name: sum(op_time(op, topology) for op in way) for name, way in ops.items()}
+    best = min(ops, key=lambda name: times[name])
+    other = next(name for name in ops if name != best)
+    return best, (f"{best}: {times[best] * 1e6:.3g} us per layer (sends {_payload(ops[best], world)} B) against "
+                  f"{other} {times[other] * 1e6:.3g} us ({_payload(ops[other], world)} B) on {topology.name}, "
+                  f"{world} ranks")
+
+
 def choose_decode_merge(topology: Topology, rows: int, heads: int, head_dim: int) -> tuple[str, str]:
     """``(merge, why)``: the decode merge with the smaller predicted time per layer on ``topology`` (its
     world is the group), ties to ``all_reduce``; ``why`` gives both predictions and payloads."""
-    world = topology.world
-    if world == 1:
+    if topology.world == 1:
         return "all_reduce", "one rank: nothing to merge"
-    ops = {m: decode_merge_ops(m, rows, heads, head_dim) for m in MERGES}
-    times = _times(ops, topology)
-    best = min(MERGES, key=lambda m: times[m])
-    other = MERGES[1 - MERGES.index(best)]
-    why = (f"{best}: {times[best] * 1e6:.3g} us per layer (sends {_payload(ops[best], world)} B) against {other} "
-           f"{times[other] * 1e6:.3g} us ({_payload(ops[other], world)} B) on {topology.name}, {world} ranks, "
-           f"{rows} x {heads} query rows")
-    return best, why
+    best, why = _faster({m: decode_merge_ops(m, rows, heads, head_dim) for m in MERGES}, topology)
+    return best, f"{why}, {rows} x {heads} query rows"
 
 
 def extend_ops(how: str, world: int, new_per_rank: int, cached_per_rank: int, heads: int, kv_heads: int,
@@ -122,14 +124,9 @@ def choose_extend(topology: Topology, new_per_rank: int, cached_per_rank: int, h
     if world == 1:
         return "pass_q", "one rank: the cache is local"
     ops = {h: extend_ops(h, world, new_per_rank, cached_per_rank, heads, kv_heads, head_dim, elem) for h in EXTENDS}
-    times = _times(ops, topology)
-    best = min(EXTENDS, key=lambda h: times[h])
-    other = EXTENDS[1 - EXTENDS.index(best)]
-    why = (f"{best}: {times[best] * 1e6:.3g} us per layer (sends {_payload(ops[best], world)} B) against {other} "
-           f"{times[other] * 1e6:.3g} us ({_payload(ops[other], world)} B) on {topology.name}, {world} ranks: "
-           f"{new_per_rank} new tokens of {heads} query heads per rank against {cached_per_rank} cached tokens of "
-           f"{kv_heads} key/value heads")
-    return best, why
+    best, why = _faster(ops, topology)
+    return best, (f"{why}: {new_per_rank} new tokens of {heads} query heads per rank against {cached_per_rank} "
+                  f"cached tokens of {kv_heads} key/value heads")
 
 
 # ---------------------------------------------------------------------- simulated inference
@@ -191,21 +188,29 @@ def cp_group(world: Topology, tp: int) -> Topology:
     return dp_group(world, tp)
 
 
-def _tp_topology(world: Topology, tp: int) -> Topology:
-    """One TP group: ``tp`` devices of a node (NVLink-class link)."""
+def _tp_comm(shape: ModelShape, world: Topology, tp: int, tokens: int, elem: int) -> float:
+    """Seconds of a layer's two all-reduces of ``tokens`` tokens' activations across one TP group, ``tp``
+    devices of a node (NVLink-class link); 0 without tensor parallelism."""
+    if tp == 1:
+        return 0.0
     if tp > world.devices_per_node:
         raise ValueError(f"tp={tp} spans more than the {world.devices_per_node} devices of a node")
-    return Topology(1, tp, intra=world.intra, inter=world.inter, device=world.device, algorithm=world.algorithm,
-                    name=f"{world.name} tp group")
+    group = Topology(1, tp, intra=world.intra, inter=world.inter, device=world.device, algorithm=world.algorithm,
+                     name=f"{world.name} tp group")
+    return 2 * shape.layers * op_time(CommOp("all_reduce", tokens * shape.hidden * elem), group)
 
 
-def _check(cp: int, tp: int, shape: ModelShape) -> None:
+def _cp_group(cp: int, tp: int, shape: ModelShape, world: Topology) -> Topology:
+    """:func:`cp_group` of ``world``, once ``cp`` and ``tp`` fit ``shape`` and ``world``."""
     for name, value in (("cp", cp), ("tp", tp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if shape.heads % tp or shape.kv_heads % tp and tp % shape.kv_heads:
         raise ValueError(f"tp={tp} must divide heads={shape.heads} and divide or be a multiple of "
                          f"kv_heads={shape.kv_heads}")
+    if world.world != cp * tp:
+        raise ValueError(f"the topology has {world.world} devices, cp x tp = {cp * tp}")
+    return cp_group(world, tp)
 
 
 def kv_bytes_per_device(shape: ModelShape, context: int, cp: int, tp: int, elem: int = 2) -> int:
@@ -218,10 +223,7 @@ def prefill_estimate(shape: ModelShape, seq_len: int, cp: int, tp: int, schedule
                      peak_flops: float, matmul_efficiency: float, dtype: str = "bfloat16") -> PrefillEstimate:
     """One prefill of ``seq_len`` tokens (causal) on ``world``, a topology of ``cp x tp`` devices (see the
     module docstring)."""
-    _check(cp, tp, shape)
-    if world.world != cp * tp:
-        raise ValueError(f"the topology has {world.world} devices, cp x tp = {cp * tp}")
-    group = cp_group(world, tp)
+    group = _cp_group(cp, tp, shape, world)
     heads, kv_heads = shape.heads // tp, max(1, shape.kv_heads // tp)
     problem = Problem(seq_len, cp, "causal", 1, heads, kv_heads, shape.head_dim, dtype,
                       padded_len=math.ceil(seq_len / (2 * cp)) * 2 * cp)
@@ -229,10 +231,7 @@ def prefill_estimate(shape: ModelShape, seq_len: int, cp: int, tp: int, schedule
     tokens = problem.padded_len // cp
     dense = 2 * shape.matmul_params * tokens / tp / (peak_flops * matmul_efficiency)
     elem = problem.elem
-    tp_comm = 0.0
-    if tp > 1:
-        activations = CommOp("all_reduce", tokens * shape.hidden * elem)
-        tp_comm = 2 * shape.layers * op_time(activations, _tp_topology(world, tp))
+    tp_comm = _tp_comm(shape, world, tp, tokens, elem)
     total = attention + dense + tp_comm
     pairs = seq_len * (seq_len + 1) // 2
     flops = 2 * shape.matmul_params * seq_len + 4 * shape.layers * shape.heads * shape.head_dim * pairs
@@ -244,18 +243,13 @@ def decode_estimate(shape: ModelShape, context: int, cp: int, tp: int, world: To
                     weight_bytes: int = 2, elem: int = 2) -> list[DecodeEstimate]:
     """Per-token decode latency at ``context`` cached tokens, one estimate per merge (``chosen``: the one
     :func:`choose_decode_merge` picks)."""
-    _check(cp, tp, shape)
-    if world.world != cp * tp:
-        raise ValueError(f"the topology has {world.world} devices, cp x tp = {cp * tp}")
-    group = cp_group(world, tp)
+    group = _cp_group(cp, tp, shape, world)
     dev = world.device
     heads, kv_heads = shape.heads // tp, max(1, shape.kv_heads // tp)
     weights = shape.matmul_params * weight_bytes / tp / dev.memory_bandwidth
     shard = math.ceil(context / cp) * 2 * kv_heads * shape.head_dim * elem
     attention = shape.layers * (shard / dev.memory_bandwidth + dev.launch)
-    tp_comm = 0.0
-    if tp > 1:
-        tp_comm = 2 * shape.layers * op_time(CommOp("all_reduce", rows * shape.hidden * elem), _tp_topology(world, tp))
+    tp_comm = _tp_comm(shape, world, tp, rows, elem)
     chosen, _ = choose_decode_merge(group, rows, heads, shape.head_dim)
     out = []
     for merge in MERGES:

@@ -70,8 +70,7 @@ DGX_H100 = dict(devices_per_node=8, intra=Link(3e-6, 450e9), inter=Link(6e-6, 50
 # latency 3 us over NVLink, 6 us over InfiniBand; 5 us per kernel launch.
 DGX_H200_DEVICE = Device(f"H200 SXM, {ASSUMED_RATES}", forward_flops=450e12, backward_flops=350e12,
                          memory_bandwidth=4.8e12, memory=141 * 10**9, half_tokens=128.0, launch=5e-6)
-DGX_H200 = dict(devices_per_node=8, intra=Link(3e-6, 450e9), inter=Link(6e-6, 50e9), nics_per_node=8,
-                device=DGX_H200_DEVICE)
+DGX_H200 = {**DGX_H100, "device": DGX_H200_DEVICE}
 
 # --- NVIDIA DGX A100: 8 A100 SXM4 80 GB; NVLink 3 (600 GB/s bidirectional per GPU = 300 per direction);
 # 8 ConnectX-6 200 Gb/s HDR (25 GB/s) compute NICs, one per GPU. Sources: NVIDIA DGX A100 data sheet;
@@ -135,6 +134,13 @@ def _model(name: str) -> GpuModel:
     return next(m for m in GPU_MODELS if m.model == name)
 
 
+def _full_rates(profile: Profile, default: Device) -> dict[str, float]:
+    """``forward_flops`` and ``backward_flops`` of a device priced by ``profile``: its fastest full-block
+    rate of each phase, else ``default``'s."""
+    return {f"{phase}_flops": max((p.flop_per_s for p in profile.kernels if p.phase == phase and p.kind == "full"),
+                                  default=getattr(default, f"{phase}_flops")) for phase in ("forward", "backward")}
+
+
 def measured_device(name: str, profile: Profile, default: bool = False) -> Device:
     """The device of GPU preset ``name`` with the kernel rates of the GPU profile ``profile``; its name
     says so (``default``: the preset's own default profile). The launch overhead, block-size curve and
@@ -157,10 +163,7 @@ def measured_device(name: str, profile: Profile, default: bool = False) -> Devic
     same = found.model == own.model
     if not same:
         label += f", {found.model} rates on {own.model} (same {own.die} die; memory bandwidth differs)"
-    fwd = [p.flop_per_s for p in profile.kernels if p.phase == "forward" and p.kind == "full"]
-    bwd = [p.flop_per_s for p in profile.kernels if p.phase == "backward" and p.kind == "full"]
-    return replace(base, name=f"{own.product}, {label}", forward_flops=max(fwd, default=base.forward_flops),
-                   backward_flops=max(bwd, default=base.backward_flops),
+    return replace(base, name=f"{own.product}, {label}", **_full_rates(profile, base),
                    memory_bandwidth=profile.memory_bandwidth if same else base.memory_bandwidth,
                    memory=profile.memory if same else base.memory, table=profile.kernels)
 
@@ -238,10 +241,7 @@ def local(world: int, profile: Profile | None = None, threads_per_rank: int | No
     threads = threads_per_rank or max(1, cores // world)
     share_now = min(float(threads), cores / world)
     share_then = min(float(profile.threads_per_rank), profile.cores / profile.ranks)
-    fwd = [p.flop_per_s for p in profile.kernels if p.phase == "forward" and p.kind == "full"]
-    bwd = [p.flop_per_s for p in profile.kernels if p.phase == "backward" and p.kind == "full"]
-    device = Device("local CPU (calibrated)", forward_flops=max(fwd, default=LOCAL_DEFAULT_DEVICE.forward_flops),
-                    backward_flops=max(bwd, default=LOCAL_DEFAULT_DEVICE.backward_flops),
+    device = Device("local CPU (calibrated)", **_full_rates(profile, LOCAL_DEFAULT_DEVICE),
                     memory_bandwidth=profile.memory_bandwidth, memory=profile.memory // world, launch=0.0,
                     table=profile.kernels).scaled(share_now / share_then)
     intra = profile.links["sendrecv"]
@@ -255,14 +255,10 @@ def _local_gpus(shape: dict, where: str, profile: Profile) -> Topology:
     device at the measured kernel rates, memory and epilogue bandwidth; the links were not measured, so
     they are the generic PCIe-class figures (:data:`~cpattn.core.topology.GENERIC_INTRA`), and transfers
     hide behind compute (their own streams)."""
-    fwd = [p.flop_per_s for p in profile.kernels if p.phase == "forward" and p.kind == "full"]
-    bwd = [p.flop_per_s for p in profile.kernels if p.phase == "backward" and p.kind == "full"]
     gpu = DGX_H100_DEVICE  # the GPU presets' launch overhead and block-size curve (assumptions)
     device = Device(f"{profile.gpu.device}, rates: measured {profile.gpu.label()} profile",
-                    forward_flops=max(fwd, default=GENERIC_DEVICE.forward_flops),
-                    backward_flops=max(bwd, default=GENERIC_DEVICE.backward_flops),
-                    memory_bandwidth=profile.memory_bandwidth, memory=profile.memory, half_tokens=gpu.half_tokens,
-                    launch=gpu.launch, table=profile.kernels)
+                    **_full_rates(profile, GENERIC_DEVICE), memory_bandwidth=profile.memory_bandwidth,
+                    memory=profile.memory, half_tokens=gpu.half_tokens, launch=gpu.launch, table=profile.kernels)
     return Topology(**shape, intra=GENERIC_INTRA, inter=GENERIC_INTRA, device=device, overlap=1.0,
                     name=f"local{where} (GPU rates measured, links not)")
 

@@ -81,9 +81,7 @@ class GpuInfo:
         return f"{self.device} {self.dense_path} {self.measured}"
 
     def to_json(self) -> dict:
-        return {"device": self.device, "capability": list(self.capability), "paths": dict(self.paths),
-                "measured": self.measured, "software": dict(self.software),
-                "measured_tokens": list(self.measured_tokens), "note": self.note}
+        return {**asdict(self), "capability": list(self.capability), "measured_tokens": list(self.measured_tokens)}
 
 
 @dataclass(frozen=True)
