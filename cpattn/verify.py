@@ -422,11 +422,8 @@ def own_overlap(steps: list, calls: list[int]) -> tuple[int, int]:
     calls of step i on that rank: an op of a step with ``overlap``, issued at step j and waited at the
     end of step j or at the start of a later step w, is in flight across a kernel call when a step of
     j .. w-1 computes."""
-    overlapped = 0
-    for j, st in enumerate(steps):
-        for op in st.comm if st.overlap else ():
-            if any(calls[j:j + 1 if op.wait is None else op.wait]):
-                overlapped += 1
+    overlapped = sum(any(calls[j:j + 1 if op.wait is None else op.wait])
+                     for j, st in enumerate(steps) if st.overlap for op in st.comm)
     return overlapped, sum(calls)
 
 
@@ -498,16 +495,10 @@ class CaseResult:
             if q in self.errors:
                 flag = "" if self.errors[q] <= self.tolerances[q] else " (over)"
                 parts.append(f"{q} {self.errors[q]:.2e}/{self.tolerances[q]:.2e}{flag}")
-        parts.extend(self.comm_mismatches)
-        parts.extend(self.spec_mismatches)
-        parts.extend(self.exact_violations)
-        return "; ".join(parts)
+        return "; ".join(parts + self.comm_mismatches + self.spec_mismatches + self.exact_violations)
 
     def as_dict(self) -> dict:
-        return {"case": asdict(self.case), "passed": self.passed, "errors": self.errors, "levels": self.levels,
-                "tolerances": self.tolerances, "comm_mismatches": self.comm_mismatches,
-                "spec_mismatches": self.spec_mismatches,
-                "exact_violations": self.exact_violations, "failure": self.failure}
+        return {"passed": self.passed, **asdict(self)}
 
 
 def assemble(results: list[dict], name: str, seq_dim: int) -> torch.Tensor:

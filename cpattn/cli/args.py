@@ -182,6 +182,18 @@ def device_counts(topology: TopologyArg | None, given: list[int] | None, default
     return list(given)
 
 
+# ----------------------------------------------------------------------------------- schedules
+def planned_schedule(name: str, time_budget: float | None):
+    """The schedule ``name`` to estimate: ``ultra`` with ``--time-budget`` (seconds of its planner's solves
+    per plan) when given, else the name."""
+    if name != "ultra" or time_budget is None:
+        return name
+    from .. import schedules
+    from ..planner import PlanOptions
+
+    return schedules.get("ultra", plan_options=PlanOptions(time_budget=time_budget))
+
+
 # ----------------------------------------------------------------------------------- dtypes, profiles
 def dtypes(*, float64: bool = False) -> list[str]:
     """``choices=`` for ``--dtype``: the names of ``cpattn.kernels.DTYPES`` (float64 only when asked)."""
@@ -205,14 +217,28 @@ def topology_profile(topology: TopologyArg, path: str | None):
     GPU preset a GPU profile at ``path`` or shipped under that name (None without one: the preset's own
     default, ``cpattn.cost.presets.DEFAULT_PROFILES``, or its data-sheet figures); ``NxD`` takes none
     (ValueError when one is given)."""
-    if topology.preset == "local":
-        return load_profile(path)
-    if path is None:
+    if path is None and topology.preset != "local":
         return None
     if topology.preset is None:
         raise ValueError(f"--profile prices a preset's devices; --topology {topology.text} has generic figures")
     return load_profile(path)
 
 
-__all__ = ["TopologyArg", "csv", "device_counts", "dtypes", "layouts", "load_profile", "mask", "masks", "topology",
-           "topology_profile"]
+def topology_builder(args) -> tuple[Callable[[int], object], str | None]:
+    """``(build, algorithm)`` for ``--topology``, ``--profile`` (:func:`topology_profile`) and ``--algorithm``
+    (:func:`algorithm_choice`): ``build(world)`` is the topology of ``world`` devices priced with
+    ``algorithm`` (None: the topology's own collective algorithms)."""
+    from dataclasses import replace
+
+    profile = topology_profile(args.topology, args.profile)
+    algo = algorithm_choice(args.algorithm)
+
+    def build(world: int):
+        topo = args.topology.build(world, profile)
+        return topo if algo is None else replace(topo, algorithm=algo)
+
+    return build, algo
+
+
+__all__ = ["TopologyArg", "csv", "device_counts", "dtypes", "layouts", "load_profile", "mask", "masks",
+           "planned_schedule", "topology", "topology_builder", "topology_profile"]

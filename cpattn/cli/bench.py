@@ -137,8 +137,8 @@ def run(args) -> int:
         if args.predict:
             out.print(bench.render_breakdown(result))
         results.append(result)
-    if args.predict:
-        summary = bench.prediction_summary(results)
+    summary = bench.prediction_summary(results) if args.predict else None
+    if summary is not None:
         line = (f"prediction error over {summary['rows']} schedule runs: median |error| "
                 f"{summary['median_abs_error']:.1%} forward+backward, {summary['median_abs_fwd_error']:.1%} forward")
         if summary["speed"]:
@@ -148,9 +148,7 @@ def run(args) -> int:
                      f"{summary['median_abs_error_at_profile_speed']:.1%} forward+backward")
         out.print(line)
     if args.json:
-        save_json(results[0] if len(results) == 1 else
-                  {"runs": results, "prediction": bench.prediction_summary(results) if args.predict else None},
-                  args.json)
+        save_json(results[0] if len(results) == 1 else {"runs": results, "prediction": summary}, args.json)
     if args.plot:
         bench.plot(results, args.plot)
         console.print(f"wrote {args.plot}")

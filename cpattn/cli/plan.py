@@ -113,13 +113,8 @@ def run(args) -> int:
                           highlight=False)
     else:
         out.print(f"({table.n} x {table.n} cells: see the heatmap)")
-    if args.json:
-        planner.save_plan(plan, args.json)
-        err.print(f"wrote {args.json}")
-    if args.heatmap:
-        plot.heatmap(plan, args.heatmap)
-        err.print(f"wrote {args.heatmap}")
-    if args.timeline:
-        plot.timeline(plan, args.timeline)
-        err.print(f"wrote {args.timeline}")
+    for path, write in ((args.json, planner.save_plan), (args.heatmap, plot.heatmap), (args.timeline, plot.timeline)):
+        if path:
+            write(plan, path)
+            err.print(f"wrote {path}")
     return 0

@@ -90,9 +90,7 @@ def _pairs(first: list[int], second: list[int], what: str) -> list[tuple[int, in
 
 
 def _x(value: float | None, fits: bool = True) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.2f}x" + ("" if fits else "*")
+    return "-" if value is None else f"{value:.2f}x" + ("" if fits else "*")
 
 
 def _gbs(bw: float | None) -> str:
@@ -133,17 +131,14 @@ def run_ringx(args) -> int:
         for mask, model, (b, s), p in itertools.product(masks, models, shapes, gap_gcds):
             case = cases.get((mask, model, (b, s), p)) or r.ringx_case(
                 mask, p, b, s, *model, args.dtype, args.algorithm, args.phase, False)
-            names = [n for n in r.ringx_variants(mask) if n in case.estimates]
+            variants = [case.estimates[n] for n in r.ringx_variants(mask) if n in case.estimates]
             topo = r.ringx_topology(p, args.algorithm)
             for overlap in (None, 0.0):
                 progress.update(task, description=f"gap {mask} b={b} s={s} P={p}"
                                                   + (" ring without overlap" if overlap == 0.0 else ""))
-                found = r.ring_bandwidth_gaps([case.estimates[n] for n in names], case.problem, topo, args.target,
-                                              args.phase, overlap)
-                for gap in found:
-                    gaps.append({"mask": mask, "heads": model[0], "kv_heads": model[1], "head_dim": model[2],
-                                 "batch": b, "tokens_per_gcd": s, "gcds": p, "fits": case.fits(gap.variant),
-                                 **asdict(gap)})
+                found = r.ring_bandwidth_gaps(variants, case.problem, topo, args.target, args.phase, overlap)
+                gaps += [{"mask": mask, "heads": model[0], "kv_heads": model[1], "head_dim": model[2], "batch": b,
+                          "tokens_per_gcd": s, "gcds": p, "fits": case.fits(g.variant), **asdict(g)} for g in found]
                 progress.advance(task, len(r.ringx_variants(mask)))
     elapsed = time.perf_counter() - start
 
@@ -227,9 +222,7 @@ def _gib(cases, mask: str) -> str:
 
 
 def _need(g: dict) -> str:
-    if g["bandwidth"] is None:
-        return "none"
-    return f"{g['bandwidth'] / 1e9:.3g} GB/s ({g['factor']:.2g}x)"
+    return "none" if g["bandwidth"] is None else f"{g['bandwidth'] / 1e9:.3g} GB/s ({g['factor']:.2g}x)"
 
 
 def plot_ringx(cases: dict, masks: list[str], models: list, shapes: list, target: float, algorithm: str, path: str,
@@ -253,16 +246,14 @@ def plot_ringx(cases: dict, masks: list[str], models: list, shapes: list, target
             ax = axes[i][j]
             pts = sorted((k[3], c) for k, c in cases.items() if k[0] == mask and k[1] == model and k[2] == shape)
             for n in names:
-                xs = [p for p, c in pts if c.total(n) is not None]
-                ys = [c.speedup(n, r.RINGX_BASELINE) for p, c in pts if c.total(n) is not None]
-                if not xs:
+                have = [(p, c.speedup(n, r.RINGX_BASELINE), c.fits(n)) for p, c in pts if c.total(n) is not None]
+                if not have:
                     continue
                 style = schedule_style(n)  # every line its own colour, marker and dashes
                 if n in r.RINGX_CONTEXT:  # the context baselines in grey, dotted
                     style |= {"linestyle": ":", "color": "grey" if n == "zigzag_ring" else "silver"}
-                (line,) = ax.plot(xs, ys, label=n, **style)
-                over = [(p, y) for p, c, y in zip(xs, [c for _, c in pts if c.total(n) is not None], ys)
-                        if not c.fits(n)]
+                (line,) = ax.plot([p for p, _, _ in have], [y for _, y, _ in have], label=n, **style)
+                over = [(p, y) for p, y, fits in have if not fits]
                 if over:
                     ax.scatter([p for p, _ in over], [y for _, y in over], s=60, facecolors="white",
                                edgecolors=line.get_color(), zorder=3)
@@ -289,7 +280,6 @@ def run_ultraattn(args) -> int:
 
     from .. import schedules
     from ..lab import reproduce as r
-    from ..planner import PlanOptions
     from ..planner.cache import cache_dir
 
     grid_defaults = ULTRA_FULL if args.full else ULTRA_DEFAULT
@@ -298,8 +288,7 @@ def run_ultraattn(args) -> int:
     heads = args.heads or grid_defaults["heads"]
     for pattern in args.patterns:
         r.ultra_pattern(pattern, 16 * r.ULTRA_BLOCKS)  # an unknown pattern fails here, before planning
-    ultra = "ultra" if args.time_budget is None else \
-        schedules.get("ultra", plan_options=PlanOptions(time_budget=args.time_budget))
+    ultra = a.planned_schedule("ultra", args.time_budget)
     start = time.perf_counter()
     cases: list[tuple[str, r.Case]] = []
     grid = list(itertools.product(seqs, gpus, heads, args.patterns))

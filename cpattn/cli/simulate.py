@@ -102,8 +102,7 @@ def _masks(args, seqs: list[int]) -> dict:
     from ..cost import documents
 
     if args.documents is None:
-        mask = resolve(args.mask)
-        return dict.fromkeys(seqs, mask)
+        return dict.fromkeys(seqs, resolve(args.mask))
     if args.mask not in ("causal", "full"):
         raise ValueError(f"--documents packs documents under a causal or full mask, not --mask {args.mask!r}")
     return {seq: document(documents.pack(args.documents, seq, args.seed), causal=args.mask == "causal")
@@ -111,8 +110,6 @@ def _masks(args, seqs: list[int]) -> dict:
 
 
 def run(args) -> int:
-    from dataclasses import replace
-
     from rich.progress import Progress
 
     from .. import cost, schedules
@@ -142,17 +139,14 @@ def run(args) -> int:
             skipped.append(name)
             continue
         (names if cost.estimable(name) else unmodelled).append(name)
-    prof = a.topology_profile(args.topology, args.profile)
-    algo = a.algorithm_choice(args.algorithm)
+    build, algo = a.topology_builder(args)
     # the row's key of each phase's estimate ("estimate": the --phase table's one, as --json has always named it)
     phases = {"forward": "forward", "backward": "backward"} if args.tflops else {"estimate": args.phase}
     rows, bounds, device = [], {}, None
     with Progress(console=stderr(), transient=True) as progress:
         task = progress.add_task("simulate", total=len(gpus) * len(names))
         for p in gpus:
-            topo = args.topology.build(p, prof)
-            if algo is not None:
-                topo = replace(topo, algorithm=algo)
+            topo = build(p)
             device = topo.device
             seq = seqs[p]
             try:
@@ -168,11 +162,11 @@ def run(args) -> int:
                                                       device.backward_flops) for ph in split_phase(args.phase)}
             for name in names:
                 progress.update(task, description=f"P={p} {name}")
-                sched = _schedule(name, args)
+                sched = a.planned_schedule(name, args.time_budget)
                 row = {"gpus": p, "seq": seq, "schedule": name, "note": ""}
                 for key, phase in phases.items():
-                    one = _row(sched, problem, topo, phase)
-                    row[key], row["note"] = one["estimate"], row["note"] or one["note"]
+                    row[key], note = _estimate(sched, problem, topo, phase)
+                    row["note"] = row["note"] or note
                 rows.append(row)
                 progress.advance(task)
     out = stdout(to_stdout(args.json))
@@ -185,13 +179,11 @@ def run(args) -> int:
         _print_times(out, rows, title)
     if device is not None:
         out.print(f"device: {device.name}", highlight=False)
-    if bounds and args.tflops:
+    if bounds:
+        what = (f"{device.forward_flops / 1e12:.0f} / {device.backward_flops / 1e12:.0f} TFLOP/s per GPU" if args.tflops
+                else ", ".join(f"P={p}: {sum(b.values()) * 1e3:.4g} ms" for p, b in bounds.items()))
         out.print("balanced bound (every GPU does 1/P of the work at the device's large-block rate, no "
-                  f"communication): {device.forward_flops / 1e12:.0f} / {device.backward_flops / 1e12:.0f} TFLOP/s "
-                  "per GPU")
-    elif bounds:
-        out.print("balanced bound (every GPU does 1/P of the work at the device's large-block rate, no "
-                  "communication): " + ", ".join(f"P={p}: {sum(b.values()) * 1e3:.4g} ms" for p, b in bounds.items()))
+                  f"communication): {what}")
     if skipped:
         out.print(f"not shown, they cannot run the {mask.name} mask: {', '.join(skipped)}")
     if unmodelled:
@@ -209,35 +201,22 @@ def run(args) -> int:
     return 0
 
 
-def _schedule(name: str, args):
-    """The schedule ``name`` to estimate: ``ultra`` with ``--time-budget`` for its planner when given."""
-    if name != "ultra" or args.time_budget is None:
-        return name
-    from .. import schedules
-    from ..planner import PlanOptions
-
-    return schedules.get("ultra", plan_options=PlanOptions(time_budget=args.time_budget))
-
-
 def _print_times(out, rows: list[dict], title: str) -> None:
     """The time table: one row per (GPU count, schedule), long notes as numbered footnotes."""
-    notes, cells = [], []
     ring = {r["gpus"]: r["estimate"] for r in rows if r["schedule"] == "ring" and r["estimate"] is not None}
-    for r in rows:
+    # e.g. "exceeds 64 GiB" stays in its cell; longer notes are footnotes
+    marks, texts = footnotes(["" if len(r["note"]) <= SHORT_NOTE else r["note"] for r in rows])
+    cells = []
+    for r, mark in zip(rows, marks):
         e = r["estimate"]
-        short = len(r["note"]) <= SHORT_NOTE  # e.g. "exceeds 64 GiB" stays in its cell; longer notes are footnotes
-        notes.append("" if short else r["note"])
         if e is None:
-            cells.append([str(r["gpus"]), str(r["seq"]), r["schedule"], *["-"] * 9, ""])
+            cells.append([str(r["gpus"]), str(r["seq"]), r["schedule"], *["-"] * 9, mark or r["note"]])
             continue
         vs = f"{ring[r['gpus']].total / e.total:.2f}x" if r["gpus"] in ring else "-"
         cells.append([str(r["gpus"]), str(r["seq"]), r["schedule"], f"{e.total * 1e3:.4g}", f"{e.compute * 1e3:.4g}",
                       f"{e.comm * 1e3:.4g}", f"{e.exposed_comm * 1e3:.4g}", f"{e.tflops_per_rank(r['gpus']):.3g}", vs,
                       f"{e.bytes_per_rank / 1e6:.4g}", f"{e.wire_bytes_per_rank / 1e6:.4g}",
-                      f"{e.peak_memory / 2**30:.3g}", ""])
-    marks, texts = footnotes(notes)
-    for row, r, mark in zip(cells, rows, marks):
-        row[-1] = mark or r["note"]
+                      f"{e.peak_memory / 2**30:.3g}", mark or r["note"]])
     out.print(table(TABLE, cells, title=title,
                     caption="times on the busiest rank; TFLOP/s counts allowed (q, k) pairs (bwd = 2.5 x fwd); "
                             "vs ring = T(ring) / T(schedule); sent = payload of the busiest rank, wire = what the "
@@ -277,7 +256,7 @@ def _print_tflops(out, rows: list[dict], gpus: list[int], names: list[str], titl
 def run_model(args) -> int:
     """Model-level mode: one training step of ``--model`` at ``--seq`` tokens per replica on ``--cp`` x
     ``--dp`` devices of the topology, per schedule (``cpattn.cost.training``)."""
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
 
     from .. import cost, schedules
     from ..core.masks import resolve
@@ -304,16 +283,10 @@ def run_model(args) -> int:
     efficiency = args.matmul_efficiency
     if efficiency is None:
         efficiency = MATMUL_EFFICIENCY.get(preset, DEFAULT_MATMUL_EFFICIENCY)
-    algo = a.algorithm_choice(args.algorithm)
-
-    def build(world: int, profile=None):
-        built = args.topology.build(world, profile)
-        return built if algo is None else replace(built, algorithm=algo)
-
-    prof = a.topology_profile(args.topology, args.profile)
-    topo = build(args.cp, prof)
+    build, _ = a.topology_builder(args)
+    topo = build(args.cp)
     # the gradient all-reduce's group on the whole machine (a preset); else each replica on nodes of its own
-    dp_topo = dp_group(build(args.cp * args.dp, prof), args.cp) if preset in MATMUL_PEAK else None
+    dp_topo = dp_group(build(args.cp * args.dp), args.cp) if preset in MATMUL_PEAK else None
     names = args.schedules or [n for n in cost.default_candidates(mask) if cost.estimable(n)]
     rows, skipped = [], []
     for name in names:
@@ -342,28 +315,22 @@ def run_model(args) -> int:
     return 0
 
 
-def _row(name, problem, topo, phase: str) -> dict:
-    """One table row for schedule ``name`` (a name or a schedule): the estimate, a note when it exceeds
-    the device memory, or why there is none. ``check_supports`` refuses with ValueError, TypeError or
-    NotImplementedError (its contract); ``estimate`` with ValueError or NotImplementedError. Anything
-    else is a bug and propagates."""
+def _estimate(name, problem, topo, phase: str) -> tuple[object | None, str]:
+    """``(estimate, note)`` of schedule ``name`` (a name or a schedule) for one table row: the note says
+    when it exceeds the device memory, or why there is no estimate. ``check_supports`` refuses with
+    ValueError, TypeError or NotImplementedError (its contract); ``estimate`` with ValueError or
+    NotImplementedError. Anything else is a bug and propagates."""
     from .. import cost
 
-    row = {"gpus": problem.world, "seq": problem.seq_len, "schedule": name, "estimate": None, "note": ""}
     try:
         cost.check_supports(name, problem)
     except (ValueError, TypeError, NotImplementedError) as exc:
-        row["note"] = str(exc)
-        return row
+        return None, str(exc)
     try:
         est = cost.estimate(name, problem, topo, phase)
     except (ValueError, NotImplementedError) as exc:
-        row["note"] = str(exc)
-        return row
-    row["estimate"] = est
-    if est.peak_memory > topo.device.memory:
-        row["note"] = f"exceeds {topo.device.memory / 2**30:.0f} GiB"
-    return row
+        return None, str(exc)
+    return est, f"exceeds {topo.device.memory / 2**30:.0f} GiB" if est.peak_memory > topo.device.memory else ""
 
 
 def plot(rows: list[dict], args, mask_label: str, path: str) -> None:

@@ -9,10 +9,9 @@ in a device is marked, not dropped.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 
-from ..output import Column, stderr, stdout, table
+from ..output import Column, save_json, stdout, table, to_stdout
 
 #: the context of the published prefill figures (Meta's "1M")
 MILLION = 1 << 20
@@ -53,8 +52,6 @@ def models() -> dict:
 
 
 def run_inference(args) -> int:
-    from dataclasses import replace
-
     from .. import cost, schedules
     from ..core.masks import causal
     from ..cost import inference as icost
@@ -68,8 +65,6 @@ def run_inference(args) -> int:
         raise ValueError(f"--model {name!r} is unknown; accepted: {', '.join(known)}")
     conf = known[name]
     tp = args.tp
-    if tp < 1:
-        raise ValueError(f"--tp must be at least 1, got {tp}")
     shape = icost.ModelShape(conf.layers, conf.heads, conf.kv_heads, conf.head_dim, conf.dim, matmul_param_count(conf))
     preset = args.topology.preset
     peak = args.peak_tflops * 1e12 if args.peak_tflops else MATMUL_PEAK.get(preset)
@@ -81,13 +76,7 @@ def run_inference(args) -> int:
     bad = [g for g in gpus if g % tp]
     if bad:
         raise ValueError(f"--gpus {bad}: every count must be a multiple of --tp {tp}")
-    algo = a.algorithm_choice(args.algorithm)
-    prof = a.topology_profile(args.topology, args.profile)
-
-    def build(world: int):
-        topo = args.topology.build(world, prof)
-        return topo if algo is None else replace(topo, algorithm=algo)
-
+    build, _ = a.topology_builder(args)
     names, causal_less = [], []
     for sched in args.schedules or [n for n in cost.default_candidates(causal()) if cost.estimable(n)]:
         try:
@@ -113,11 +102,7 @@ def run_inference(args) -> int:
                 f"bf16 weights {weights / gib:.0f} + cache {est.kv_bytes / gib:.0f} > {memory / gib:.0f} GiB"
             scaling = icost.parallel_efficiency(base.total, est.total, cp)
             prefill.append({"gpus": g, **asdict(est), "efficiency": scaling, "note": note})
-        for d in icost.decode_estimate(shape, seq, cp, tp, topo, rows=args.batch):
-            decode.append({"gpus": g, **asdict(d)})
-    if args.json == "-":
-        print(json.dumps({"prefill": prefill, "decode": decode}, indent=2))
-        return 0
+        decode += [{"gpus": g, **asdict(d)} for d in icost.decode_estimate(shape, seq, cp, tp, topo, rows=args.batch)]
     title = (f"{name} at {seq} tokens, tp {tp} (dense layers at {100 * efficiency:.0f}% of {peak / 1e12:.4g} "
              "TFLOP/s)")
     # columns leave a narrow terminal in this order (drop 1 first); GPUs, schedule, times and MFU stay
@@ -128,7 +113,7 @@ def run_inference(args) -> int:
     rows = [[str(r["gpus"]), f"{r['cp']} x {r['tp']}", r["schedule"], f"{r['total']:.4g}", f"{r['attention']:.4g}",
              f"{r['dense']:.4g}", f"{r['tp_comm']:.3g}", f"{100 * r['mfu']:.1f}%", f"{100 * r['efficiency']:.1f}%",
              f"{r['kv_bytes'] / 2**30:.3g}", r["note"]] for r in prefill]
-    out = stdout()
+    out = stdout(to_stdout(args.json))
     out.print(table(cols, rows, title=f"cpattn simulate: {args.topology}, prefill of {title}",
                     caption="efficiency = T(cp=1) / (cp x T(cp)), the same schedule; MFU counts 2N per token and "
                             "the causal attention pairs", everything="--json PATH has every figure"))
@@ -157,7 +142,5 @@ def run_inference(args) -> int:
     if skipped:
         out.print("not shown: " + "; ".join(f"{s} ({why})" for s, why in skipped.items()))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"prefill": prefill, "decode": decode}, f, indent=2)
-        stderr().print(f"wrote {args.json}")
+        save_json({"prefill": prefill, "decode": decode}, args.json)
     return 0

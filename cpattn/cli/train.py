@@ -95,9 +95,8 @@ def run(args) -> int:
                     return 1
                 finally:
                     signal.signal(signal.SIGTERM, previous)
-                failed = [r for r in results if isinstance(r, RankError)]
-                if failed:
-                    first = failed[0]
+                first = next((r for r in results if isinstance(r, RankError)), None)
+                if first is not None:
                     if first.type in _USER_ERRORS:
                         err.print(f"[red]training stopped:[/red] {escape(str(first))}", soft_wrap=True,
                                   highlight=False)

@@ -92,8 +92,8 @@ class Case:
         est = self.estimates.get(name)
         return est is not None and est.peak_memory <= self.memory
 
-    def speedup(self, name: str, over: str) -> float | None:
-        """T(over) / T(name); None when either has no estimate."""
+    def speedup(self, name: str, over: str | None) -> float | None:
+        """T(over) / T(name); None when either has no estimate (or ``over`` is None)."""
         a, b = self.total(name), self.total(over)
         return None if a is None or b is None else b / a
 
@@ -146,8 +146,8 @@ def ringx_problem(mask: str, gcds: int, batch: int, tokens_per_gcd: int, heads: 
     return Problem(tokens_per_gcd * gcds, gcds, mask, batch, heads, kv_heads, head_dim, dtype)
 
 
-def ringx_topology(gcds: int, algorithm: str = RINGX_ALGORITHM, name: str = RINGX_TOPOLOGY) -> Topology:
-    return preset(name, gcds, algorithm=algorithm)
+def ringx_topology(gcds: int, algorithm: str = RINGX_ALGORITHM) -> Topology:
+    return preset(RINGX_TOPOLOGY, gcds, algorithm=algorithm)
 
 
 def ringx_schedules(mask: str, context: bool = True) -> list[str]:
@@ -159,13 +159,11 @@ def ringx_schedules(mask: str, context: bool = True) -> list[str]:
 
 def ringx_case(mask: str, gcds: int, batch: int, tokens_per_gcd: int, heads: int = 32, kv_heads: int = 32,
                head_dim: int = 128, dtype: str = "bfloat16", algorithm: str = RINGX_ALGORITHM,
-               phase: str = "forward+backward", context: bool = True, topology: str = RINGX_TOPOLOGY,
-               progress: Callable[[str], None] | None = None) -> Case:
+               phase: str = "forward+backward", context: bool = True) -> Case:
     """``ring``, every RingX variant for ``mask`` (and the balanced rings for causal masks when
-    ``context``) at one grid point on the ``topology`` preset with collective ``algorithm``."""
+    ``context``) at one grid point on the RingX preset with collective ``algorithm``."""
     problem = ringx_problem(mask, gcds, batch, tokens_per_gcd, heads, kv_heads, head_dim, dtype)
-    return estimate_case(problem, ringx_topology(gcds, algorithm, topology), ringx_schedules(mask, context), phase,
-                         progress=progress)
+    return estimate_case(problem, ringx_topology(gcds, algorithm), ringx_schedules(mask, context), phase)
 
 
 @dataclass(frozen=True)
@@ -241,14 +239,13 @@ def ring_bandwidth_gaps(variants: Iterable[str | Estimate], problem: Problem, to
         return seen[f]
 
     preset_ring = ring_time(1.0) if base_topo == topology else estimate(baseline, problem, topology, phase).total
+    link = "inter" if topology.nodes > 1 else "intra"
+    preset_bw = (topology.inter if link == "inter" else topology.intra).bandwidth
     out = []
     for variant in variants:
         var_est = variant if isinstance(variant, Estimate) else estimate(variant, problem, topology, phase)
         before = len(seen)
-        gap = _gap(var_est, ring_time, target, lo, hi, rtol, max_evaluations, baseline)
-        link = "inter" if topology.nodes > 1 else "intra"
-        preset_bw = (topology.inter if link == "inter" else topology.intra).bandwidth
-        f, reason = gap
+        f, reason = _gap(var_est, ring_time, target, lo, hi, rtol, max_evaluations, baseline)
         out.append(BandwidthGap(var_est.schedule, target, f, None if f is None else f * preset_bw, preset_bw, link,
                                 base_topo.overlap, None if f is None else ring_time(f) / var_est.total,
                                 preset_ring / var_est.total, reason, len(seen) - before))
@@ -312,14 +309,13 @@ def ultra_pattern(name: str, seq_len: int, blocks: int = ULTRA_BLOCKS) -> dict:
 
 def ultra_case(pattern: str, seq_len: int, gpus: int, heads: int = 32, kv_heads: int = 32, head_dim: int = 128,
                dtype: str = "bfloat16", baselines: Iterable[str] = ULTRA_BASELINES, phase: str = "forward+backward",
-               topology: str = ULTRA_TOPOLOGY, ultra: object = "ultra",
-               progress: Callable[[str], None] | None = None) -> Case:
+               ultra: object = "ultra", progress: Callable[[str], None] | None = None) -> Case:
     """``ultra`` (from its plan: built by the planner, or read from the plan cache) and ``baselines`` on
-    one pattern, sequence length and GPU count of the ``topology`` preset (batch 1). ``ultra``: the
+    one pattern, sequence length and GPU count of the UltraAttn preset (batch 1). ``ultra``: the
     schedule to estimate under that name (a Schedule with planner options, or the name); ``progress``: as
     for :func:`estimate_case`."""
     problem = Problem(seq_len, gpus, ultra_pattern(pattern, seq_len), 1, heads, kv_heads, head_dim, dtype)
-    return estimate_case(problem, preset(topology, gpus), [*baselines, ultra], phase, progress=progress)
+    return estimate_case(problem, preset(ULTRA_TOPOLOGY, gpus), [*baselines, ultra], phase, progress=progress)
 
 
 @dataclass(frozen=True)
@@ -339,13 +335,11 @@ class UltraSpeedup:
 
 
 def ultra_speedup(pattern: str, case: Case, ring_family: Iterable[str] = ULTRA_RING_FAMILY) -> UltraSpeedup:
-    ring = case.fastest([n for n in ring_family if n in case.estimates], fitting=False)
+    ring = case.fastest(ring_family, fitting=False)
     anyb = case.fastest([n for n in case.estimates if n != "ultra"], fitting=False)
-    u = case.total("ultra")
     p = case.problem
-    return UltraSpeedup(pattern, p.seq_len, p.world, p.heads, u, ring, None if ring is None or u is None else
-                        case.speedup("ultra", ring), anyb, None if anyb is None or u is None else
-                        case.speedup("ultra", anyb))
+    return UltraSpeedup(pattern, p.seq_len, p.world, p.heads, case.total("ultra"), ring, case.speedup("ultra", ring),
+                        anyb, case.speedup("ultra", anyb))
 
 
 def ultra_averages(rows: Iterable[UltraSpeedup]) -> list[dict]:
