@@ -124,15 +124,10 @@ def agree(comm: Communicator, what: str, fields: Mapping[str, str], error: BaseE
 
 def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale) -> dict[str, str]:
     """The fields of one attention call that every rank must share."""
-    out = {}
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if isinstance(t, torch.Tensor):
-            out[name] = (f"shape {tuple(t.shape)}, {str(t.dtype).removeprefix('torch.')}, {t.device.type}, "
-                         f"requires_grad={t.requires_grad}")
-        else:
-            out[name] = type(t).__name__
-    out["softmax_scale"] = repr(softmax_scale)
-    return out
+    out = {name: (f"shape {tuple(t.shape)}, {str(t.dtype).removeprefix('torch.')}, {t.device.type}, "
+                  f"requires_grad={t.requires_grad}") if isinstance(t, torch.Tensor) else type(t).__name__
+           for name, t in (("q", q), ("k", k), ("v", v))}
+    return {**out, "softmax_scale": repr(softmax_scale)}
 
 
 def signature_key(q, k, v, softmax_scale) -> tuple:

@@ -20,6 +20,7 @@ SIGTERM so that the run saves and stops).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import logging
@@ -162,8 +163,7 @@ class LocalWorld:
         ready: set[int] = set()
         deadline = time.monotonic() + start_timeout
         while len(ready) < size:
-            msg = self._get(deadline, f"starting a {size}-rank world")
-            ready.add(msg[1])
+            ready.add(self._get(deadline, f"starting a {size}-rank world")[1])
         self.alive = True
 
     def _get(self, deadline: float, what: str):
@@ -186,14 +186,13 @@ class LocalWorld:
         if not self.alive:
             raise WorldError("this world was shut down; start a new one")
         path = fn if isinstance(fn, str) else f"{fn.__module__}.{fn.__qualname__}"
-        case = name or path
         task_id = next(self._ids)
         for q in self._tasks:
             q.put((task_id, path, kwargs))
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(out) < self.size:
-            tid, rank, (status, value) = self._get(deadline, f"case {case!r}")
+            tid, rank, (status, value) = self._get(deadline, f"case {name or path!r}")
             if tid == task_id:
                 out[rank] = value
         return [out[r] for r in range(self.size)]
@@ -203,20 +202,16 @@ class LocalWorld:
         returns after the step in progress)."""
         for p in self._procs:
             if p.is_alive() and p.pid is not None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, sig)
-                except ProcessLookupError:
-                    pass
 
     def close(self) -> None:
         if not getattr(self, "alive", True) and not any(p.is_alive() for p in self._procs):
             return
         self.alive = False
         for q in self._tasks:
-            try:
+            with contextlib.suppress(Exception):  # a broken queue: the process is terminated below anyway
                 q.put_nowait(None)
-            except Exception:  # a broken queue: the process is terminated below anyway
-                pass
         deadline = time.monotonic() + self.stop_grace
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -24,8 +24,10 @@ from torch.utils._pytree import tree_flatten
 from .schedules.base import op_body
 
 
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+def _stored(tree) -> list[torch.Tensor]:
+    """The tensors of ``tree`` that have a storage (strided, not on the meta device)."""
+    return [t for t in tree_flatten(tree)[0]
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta"]
 
 
 class _LiveStorage(TorchDispatchMode):
@@ -50,10 +52,8 @@ class _LiveStorage(TorchDispatchMode):
             with self:
                 return body(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in _tensors((args, kwargs)) if _has_storage(t)}
-        for t in _tensors(out):
-            if not _has_storage(t):
-                continue
+        inputs = {t.untyped_storage()._cdata for t in _stored((args, kwargs))}
+        for t in _stored(out):
             storage = t.untyped_storage()
             key, nbytes = storage._cdata, storage.nbytes()
             if key in inputs or nbytes == 0:
@@ -66,10 +66,6 @@ class _LiveStorage(TorchDispatchMode):
                 self.peak = max(self.peak, self.live)
             weakref.finalize(storage, self._free, key, nbytes)
         return out
-
-
-def _has_storage(t: torch.Tensor) -> bool:
-    return t.layout == torch.strided and t.device.type != "meta"
 
 
 class PeakTracker:

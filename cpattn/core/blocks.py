@@ -109,23 +109,22 @@ def _split(mask: Mask, a: int, b: int, c: int, d: int, tile: int,
             _split(mask, r0, r1, c0, c1, tile, out)
 
 
+def _fuse_runs(spans: list[tuple[slice, slice]]) -> list[tuple[slice, slice]]:
+    """``(same, along)`` slice pairs, sorted, each fused into the previous one when it has the same ``same``
+    and its ``along`` continues the previous one's."""
+    out: list[tuple[slice, slice]] = []
+    for same, along in sorted(spans, key=lambda s: (s[0].start, s[0].stop, s[1].start)):
+        if out and out[-1][0] == same and out[-1][1].stop == along.start:
+            out[-1] = (same, slice(out[-1][1].start, along.stop))
+        else:
+            out.append((same, along))
+    return out
+
+
 def _fuse_full(blocks: list[Block]) -> list[Block]:
     """Fuse FULL blocks: same rows and adjacent columns, then same columns and adjacent rows."""
-    full = sorted((b for b in blocks if b.kind == BlockKind.FULL), key=lambda b: (b.q.start, b.q.stop, b.kv.start))
-    rows: list[Block] = []
-    for b in full:
-        prev = rows[-1] if rows else None
-        if prev is not None and prev.q == b.q and prev.kv.stop == b.kv.start:
-            rows[-1] = Block(b.q, slice(prev.kv.start, b.kv.stop), BlockKind.FULL)
-        else:
-            rows.append(b)
-    fused: list[Block] = []
-    for b in sorted(rows, key=lambda b: (b.kv.start, b.kv.stop, b.q.start)):
-        prev = fused[-1] if fused else None
-        if prev is not None and prev.kv == b.kv and prev.q.stop == b.q.start:
-            fused[-1] = Block(slice(prev.q.start, b.q.stop), b.kv, BlockKind.FULL)
-        else:
-            fused.append(b)
+    rows = _fuse_runs([(b.q, b.kv) for b in blocks if b.kind == BlockKind.FULL])
+    fused = [Block(q, kv, BlockKind.FULL) for kv, q in _fuse_runs([(kv, q) for q, kv in rows])]
     rest = [b for b in blocks if b.kind != BlockKind.FULL]
     return sorted(fused + rest, key=lambda b: (b.q.start, b.kv.start))
 
@@ -303,9 +302,9 @@ def for_ranks(mask: Mask, layout: Layout, seq_len: int, world: int, q_rank: int 
     if layout.name == "striped":
         if len(kv_ranks) != 1 or len(q_ranks) != 1:
             raise ValueError("striped blocks are planned one query rank and one key rank at a time")
-        real = None if valid_len is None else [len(range(r, valid_len, world)) for r in (q_ranks[0], kv_ranks[0])]
-        return striped(mask, layout.local_len(seq_len, world), q_ranks[0], kv_ranks[0],
-                       *(real if real is not None else (None, None)))
+        pair = (q_ranks[0], kv_ranks[0])
+        real = (None, None) if valid_len is None else [len(range(r, valid_len, world)) for r in pair]
+        return striped(mask, layout.local_len(seq_len, world), *pair, *real)
     q_ranges = [r for i in q_ranks for r in layout.ranges(seq_len, world, i)]
     kv_ranges = [r for j in kv_ranks for r in layout.ranges(seq_len, world, j)]
     return rectangles(mask, q_ranges, kv_ranges, valid_len, regions=regions)

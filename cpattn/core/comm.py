@@ -110,10 +110,6 @@ _HIERARCHY: dict[tuple[tuple[int, ...], int, int], tuple[dist.ProcessGroup, dist
 LEVELS = ("inter_node", "intra_node")
 
 
-def _two_level(topology: Topology | None, world: int) -> bool:
-    return topology is not None and topology.nodes > 1 and topology.devices_per_node > 1 and world > 1
-
-
 #: the payload counts of each op kind in ``Communicator.stats()`` (``Schedule.volume()``'s keys)
 _PAYLOAD_KEYS = ("calls", "bytes_sent", "bytes_recv")
 
@@ -135,7 +131,7 @@ class _Recorded:
 
     def wait(self) -> None:
         if self.handle is not None:
-            start = trace.wait_start(self.call)
+            start = trace.now()
             self.handle.wait()
             self.handle = None
             trace.wait(self.call, start)
@@ -334,83 +330,63 @@ class Communicator:
         handle.wait()
         return _Done()
 
+    def _collective(self, op: str, nbytes: int, async_op: bool, launch: Callable[..., object],
+                    *tensors: tuple[torch.Tensor, str], root: int = 0, alone: Callable[[], object] | None = None):
+        """The handle (:meth:`_issue`) of one call of ``op`` on ``nbytes``, counted (:meth:`_count`) and started:
+        ``launch`` on ``tensors`` (:meth:`_start`); with one rank, ``alone()`` (the call's local effect) if given."""
+        start = trace.now()
+        counted = [self._count(op, nbytes, root=root)]
+        if self.world_size > 1:
+            return self._issue(counted, self._start(launch, *tensors), async_op, start=start)
+        if alone is not None:
+            alone()
+        return self._issue(counted, None, async_op, start=start)
+
     def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):
         """Broadcast ``t`` (in place) from group rank ``src``."""
-        start = trace.now()
-        counted = [self._count("broadcast", _nbytes(t), root=src)]
-        if self.world_size == 1:
-            return self._issue(counted, None, async_op, start=start)
-        root = self.global_rank(src)
-        work = self._start(lambda x: dist.broadcast(x, root, group=self.group, async_op=True),
-                           (t, "in" if self.rank == src else "out"))
-        return self._issue(counted, work, async_op, start=start)
+        return self._collective(
+            "broadcast", _nbytes(t), async_op,
+            lambda x: dist.broadcast(x, self.global_rank(src), group=self.group, async_op=True),
+            (t, "in" if self.rank == src else "out"), root=src)
 
     def reduce(self, t: torch.Tensor, dst: int, op: str = "sum", async_op: bool = False):
         """Reduce ``t`` (in place) onto group rank ``dst``; other ranks' ``t`` is scratch afterwards."""
-        start = trace.now()
-        counted = [self._count("reduce", _nbytes(t), root=dst)]
-        if self.world_size == 1:
-            return self._issue(counted, None, async_op, start=start)
-        root = self.global_rank(dst)
-        work = self._start(lambda x: dist.reduce(x, root, op=_REDUCE_OPS[op], group=self.group, async_op=True),
-                           (t, "inout" if self.rank == dst else "in"))
-        return self._issue(counted, work, async_op, start=start)
+        return self._collective(
+            "reduce", _nbytes(t), async_op,
+            lambda x: dist.reduce(x, self.global_rank(dst), op=_REDUCE_OPS[op], group=self.group, async_op=True),
+            (t, "inout" if self.rank == dst else "in"), root=dst)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
-        start = trace.now()
-        counted = [self._count("all_reduce", _nbytes(t))]
-        if self.world_size == 1:
-            return self._issue(counted, None, async_op, start=start)
-        work = self._start(lambda x: dist.all_reduce(x, op=_REDUCE_OPS[op], group=self.group, async_op=True),
-                           (t, "inout"))
-        return self._issue(counted, work, async_op, start=start)
+        return self._collective("all_reduce", _nbytes(t), async_op,
+                                lambda x: dist.all_reduce(x, op=_REDUCE_OPS[op], group=self.group, async_op=True),
+                                (t, "inout"))
 
-    def _check_and_count_gather(self, out: torch.Tensor, t: torch.Tensor) -> list[tuple[str, int, int]]:
-        """Shape check and payload of an all-gather (flat or hierarchical: the same per rank)."""
-        p = self.world_size
-        if out.numel() != p * t.numel():
-            raise ValueError(f"all_gather: out has {out.numel()} elements, expected {p} x {t.numel()}")
-        return [self._count("all_gather", _nbytes(t))]
-
-    def _check_and_count_scatter(self, out: torch.Tensor, t: torch.Tensor) -> list[tuple[str, int, int]]:
-        """Shape check and payload of a reduce-scatter (flat or hierarchical: the same per rank)."""
-        p = self.world_size
-        if t.numel() != p * out.numel():
-            raise ValueError(f"reduce_scatter: input has {t.numel()} elements, expected {p} x {out.numel()}")
-        return [self._count("reduce_scatter", _nbytes(out))]
+    def _check_split(self, what: str, whole: torch.Tensor, part: torch.Tensor) -> None:
+        """Shape check of an all-gather (``whole``: its out) or a reduce-scatter (``whole``: its input),
+        flat or hierarchical: ``whole`` holds world_size ``part``s."""
+        if whole.numel() != self.world_size * part.numel():
+            raise ValueError(f"{what} has {whole.numel()} elements, expected {self.world_size} x {part.numel()}")
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """``out`` (first dim = world_size * t's first dim) receives every rank's ``t`` in rank order."""
-        start = trace.now()
-        counted = self._check_and_count_gather(out, t)
-        if self.world_size == 1:
-            out.copy_(t.view_as(out))
-            return self._issue(counted, None, async_op, start=start)
-        work = self._start(lambda o, i: _ALL_GATHER(o.view(-1), i.reshape(-1), group=self.group, async_op=True),
-                           (out, "out"), (t, "in"))
-        return self._issue(counted, work, async_op, start=start)
+        self._check_split("all_gather: out", out, t)
+        return self._collective("all_gather", _nbytes(t), async_op,
+                                lambda o, i: _ALL_GATHER(o.view(-1), i.reshape(-1), group=self.group, async_op=True),
+                                (out, "out"), (t, "in"), alone=lambda: out.copy_(t.view_as(out)))
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` over ranks; rank r keeps the r-th of world_size equal slices in ``out``."""
-        start = trace.now()
-        counted = self._check_and_count_scatter(out, t)
-        if self.world_size == 1:
-            out.copy_(t.view_as(out))
-            return self._issue(counted, None, async_op, start=start)
-        work = self._start(lambda o, i: _REDUCE_SCATTER(o.view(-1), i.reshape(-1), group=self.group,
-                                                        async_op=True), (out, "out"), (t, "in"))
-        return self._issue(counted, work, async_op, start=start)
+        self._check_split("reduce_scatter: input", t, out)
+        return self._collective(
+            "reduce_scatter", _nbytes(out), async_op,
+            lambda o, i: _REDUCE_SCATTER(o.view(-1), i.reshape(-1), group=self.group, async_op=True),
+            (out, "out"), (t, "in"), alone=lambda: out.copy_(t.view_as(out)))
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Equal-split all-to-all along the first dim (slice j of ``t`` goes to rank j)."""
-        start = trace.now()
-        counted = [self._count("all_to_all", _nbytes(t))]
-        if self.world_size == 1:
-            out.copy_(t)
-            return self._issue(counted, None, async_op, start=start)
-        work = self._start(lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True),
-                           (out, "out"), (t, "in"))
-        return self._issue(counted, work, async_op, start=start)
+        return self._collective("all_to_all", _nbytes(t), async_op,
+                                lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True),
+                                (out, "out"), (t, "in"), alone=lambda: out.copy_(t))
 
     # ------------------------------------------------------------------ hierarchical collectives
     def setup_levels(self, topology: Topology | None) -> bool:
@@ -432,7 +408,7 @@ class Communicator:
 
         ``ContextParallel`` calls this at construction, so no process group is created at run time.
         """
-        if not _two_level(topology, self.world_size):
+        if topology is None or min(topology.nodes, topology.devices_per_node, self.world_size) <= 1:
             return False
         if topology.world != self.world_size:
             raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
@@ -467,9 +443,8 @@ class Communicator:
         if not self.setup_levels(topology):
             return None
         if self._subs is None:
-            rail, node = self._levels
             self._subs = tuple(Communicator(g, record=False, stage=self.stage, staging_pool=self.staging)
-                               for g in (rail, node))
+                               for g in self._levels)
         return self._subs
 
     def level_stats(self) -> dict[str, dict[str, int]]:
@@ -495,7 +470,8 @@ class Communicator:
             return self.all_gather(out, t, async_op)
         rail, node = levels
         n_nodes, d = rail.world_size, node.world_size
-        counted = self._check_and_count_gather(out, t)
+        self._check_split("all_gather: out", out, t)
+        counted = [self._count("all_gather", _nbytes(t))]
         by_node = self.new_buffer((n_nodes, *t.shape), t.dtype, t.device)
         first = rail.all_gather(by_node, t.contiguous(), async_op=True)
 
@@ -522,7 +498,8 @@ class Communicator:
             return self.reduce_scatter(out, t, async_op)
         rail, node = levels
         n_nodes, d = rail.world_size, node.world_size
-        counted = self._check_and_count_scatter(out, t)
+        self._check_split("reduce_scatter: input", t, out)
+        counted = [self._count("reduce_scatter", _nbytes(out))]
         by_local = t.reshape(n_nodes, d, -1).transpose(0, 1).contiguous()
         partial = self.new_buffer((n_nodes, out.numel()), out.dtype, out.device)
         first = node.reduce_scatter(partial, by_local, async_op=True)

@@ -66,11 +66,9 @@ def order_row(capability: tuple[int, int] | None, dtype: str, head_dim: int,
               table: tuple[OrderRow, ...] = CUDA_ORDER_TABLE) -> OrderRow:
     """The row that orders the fused paths for a device of ``capability`` (None: unknown, the catch-all),
     inputs of dtype name ``dtype`` and ``head_dim``."""
-    if capability is not None:
-        for row in table:
-            if row.matches(capability, dtype, head_dim):
-                return row
-    return table[-1]
+    if capability is None:
+        return table[-1]
+    return next((row for row in table if row.matches(capability, dtype, head_dim)), table[-1])
 
 
 def cuda_order(capability: tuple[int, int] | None, dtype: str, head_dim: int) -> tuple[str, ...]:

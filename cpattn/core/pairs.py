@@ -94,17 +94,13 @@ class TriangularPairs(PairWork):
 
     def remote_rows(self) -> tuple[tuple[Work, int], ...]:
         p = self.world
-        rows = [work([*((k, n * r) for k, n in self.below), *((k, n * (p - 1 - r)) for k, n in self.above)])
-                for r in range(p)]
-        return distribution(rows)
+        return distribution(work([*((k, n * r) for k, n in self.below), *((k, n * (p - 1 - r)) for k, n in self.above)])
+                            for r in range(p))
 
 
-def _merge(items: list[tuple[Work, int]]) -> tuple[tuple[Work, int], ...]:
-    out: dict[Work, int] = {}
-    for w, n in items:
-        if n:
-            out[w] = out.get(w, 0) + n
-    return tuple(sorted(out.items()))
+#: a distribution ``((Work, ranks), ...)`` from ``(Work, ranks)`` pairs: the merge of :func:`work` (repeats
+#: summed, zero counts dropped, sorted)
+_merge = work
 
 
 class EnumeratedPairs(PairWork):

@@ -91,9 +91,7 @@ def refuse_nccl_sharing(places: Sequence[Place], backends: dict[str, str]) -> No
     """Raise ``ValueError`` when the group runs CUDA tensors on NCCL (``backends``:
     ``Communicator.backends``) and two of its ranks share a CUDA device; the message names the ranks,
     the device and the gloo alternative. Pure, so every rank raises the same."""
-    if backends.get("cuda") != "nccl":
-        return
-    shared = shared_devices(places)
+    shared = shared_devices(places) if backends.get("cuda") == "nccl" else []
     if not shared:
         return
     where = "; ".join(f"ranks {', '.join(map(str, ranks))} on cuda:{places[ranks[0]].device} of host "

@@ -167,12 +167,8 @@ class Stager:
         if stage and backends.get("cpu") != "gloo" and backends.get("cuda") != "gloo":
             raise ValueError(f"stage=True: this group's backends are {backends}; staging through host buffers "
                              "is for gloo groups (NCCL moves device tensors itself)")
-        forced = stage if stage is not None else os.environ.get(STAGE_ENV) == "1"
-        self.devices: set[str] = set()
-        if stage is not False and backends.get("cuda") == "gloo":
-            self.devices.add("cuda")
-        if forced and backends.get("cpu") == "gloo":
-            self.devices.add("cpu")
+        wanted = {"cuda": stage is not False, "cpu": stage if stage is not None else os.environ.get(STAGE_ENV) == "1"}
+        self.devices = {device for device, on in wanted.items() if on and backends.get(device) == "gloo"}
         self.pool = pool
         self._copied: torch.cuda.Event | None = None  # marks the end of a call's device -> host copies
 

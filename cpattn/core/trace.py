@@ -3,7 +3,7 @@
 Inside ``with cpattn.core.trace.recording() as events:`` every communicator call and every block a local
 kernel computes appends one event (a dict) to ``events`` (a stacked call of several equal-shaped
 blocks, ``kernels.forward_stacked``, records one event per block, as ``steps()`` counts them);
-outside it nothing is recorded and the cost is one ``None`` check. Tests compare a recording with
+outside it nothing is recorded and the cost is a ``None`` check or two. Tests compare a recording with
 the schedule's ``steps()`` (what it declares to send and to overlap; see ``cpattn.verify.check_steps``).
 
 - ``issue``: ``call`` (one id per communicator call), ``op`` (the accounting kind: send, recv,
@@ -37,6 +37,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
 
 
 class Trace:
@@ -48,8 +51,6 @@ class Trace:
         self.first_call = 0  # calls issued before the timeline began are not its own
         self._cuda = None
         if device is not None and str(device).startswith("cuda"):
-            import torch
-
             # the reference: a CUDA event and the host clock, read together once the device is idle
             torch.cuda.synchronize(device)
             ref = torch.cuda.Event(enable_timing=True)
@@ -62,8 +63,6 @@ class Trace:
         """Now: ``perf_counter_ns()``, or on CUDA an event recorded on the current stream."""
         if self._cuda is None:
             return time.perf_counter_ns()
-        import torch
-
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
@@ -75,8 +74,6 @@ class Trace:
         """CUDA stamps into nanoseconds of the host clock (one synchronisation)."""
         if self._cuda is None:
             return
-        import torch
-
         ref, host, device = self._cuda
         torch.cuda.synchronize(device)
 
@@ -95,78 +92,57 @@ class Trace:
         return {"origin": self.origin, "events": self.events}
 
 
+@dataclass(slots=True)
 class _State:
     """What is active: a recording's events (and its first call id), a timeline, or both."""
 
-    __slots__ = ("events", "events_from", "timeline")
-
-    def __init__(self) -> None:
-        self.events: list[dict] | None = None
-        self.events_from = 0
-        self.timeline: Trace | None = None
+    events: list[dict] | None = None
+    events_from: int = 0
+    timeline: Trace | None = None
 
 
-_state: _State | None = None
+_state = _State()
 _next_call = 0
-
-
-def _begin() -> _State:
-    global _state
-    if _state is None:
-        _state = _State()
-    return _state
-
-
-def _end() -> None:
-    global _state
-    if _state is not None and _state.events is None and _state.timeline is None:
-        _state = None
 
 
 @contextmanager
 def recording() -> Iterator[list[dict]]:
     """Record events into the yielded list until the block ends (not re-entrant)."""
-    if _state is not None and _state.events is not None:
+    if _state.events is not None:
         raise RuntimeError("cpattn.core.trace.recording() is already active")
-    st = _begin()
-    st.events, st.events_from = [], _next_call
+    _state.events, _state.events_from = [], _next_call
     try:
-        yield st.events
+        yield _state.events
     finally:
-        st.events = None
-        _end()
+        _state.events = None
 
 
 @contextmanager
 def timeline(device=None) -> Iterator[Trace]:
     """Stamp issues, waits and kernel calls with wall time until the block ends (not re-entrant);
     ``device``: where the kernels run (a CUDA device: stamps are CUDA events, resolved at the end)."""
-    if _state is not None and _state.timeline is not None:
+    if _state.timeline is not None:
         raise RuntimeError("cpattn.core.trace.timeline() is already active")
     tl = Trace(device)
     tl.first_call = _next_call
-    st = _begin()
-    st.timeline = tl
+    _state.timeline = tl
     try:
         yield tl
     finally:
-        st.timeline = None
-        _end()
+        _state.timeline = None
         tl._resolve()
 
 
 def active() -> bool:
     """Whether a recording is active (a timeline alone does not count)."""
-    return _state is not None and _state.events is not None
+    return _state.events is not None
 
 
 def now():
     """A timeline's stamp of this moment, or None without a timeline (a communicator call takes it
     before it starts anything, and passes it to :func:`issue`)."""
-    st = _state
-    if st is None or st.timeline is None:
-        return None
-    return st.timeline.stamp()
+    tl = _state.timeline
+    return None if tl is None else tl.stamp()
 
 
 def issue(ops: list[tuple[str, int, int]], start=None) -> int | None:
@@ -175,7 +151,7 @@ def issue(ops: list[tuple[str, int, int]], start=None) -> int | None:
     taken here)."""
     global _next_call
     st = _state
-    if st is None:
+    if st.events is None and st.timeline is None:
         return None
     call = _next_call
     _next_call += 1
@@ -189,18 +165,10 @@ def issue(ops: list[tuple[str, int, int]], start=None) -> int | None:
     return call
 
 
-def wait_start(call: int | None):
-    """The stamp of a wait that starts now (pass it to :func:`wait`), or None without a timeline."""
-    st = _state
-    if st is None or st.timeline is None or call is None:
-        return None
-    return st.timeline.stamp()
-
-
 def wait(call: int | None, start=None) -> None:
-    """The wait for ``call`` has returned; ``start``: from :func:`wait_start` (the timeline's stamp)."""
+    """The wait for ``call`` has returned; ``start``: the :func:`now` of its start (the timeline's stamp)."""
     st = _state
-    if st is None or call is None:
+    if call is None:
         return
     if st.events is not None and call >= st.events_from:
         st.events.append({"ev": "wait", "call": call})
@@ -214,8 +182,6 @@ def compute(phase: str, kind: str, q_rows: int, kv_rows: int, pieces: int = 1) -
     block. With a timeline, returns the call's timeline event (pass it to :func:`computed` when the
     call returns); None otherwise."""
     st = _state
-    if st is None:
-        return None
     if st.events is not None:
         for _ in range(pieces):
             st.events.append({"ev": "compute", "phase": phase, "kind": kind, "q": int(q_rows), "kv": int(kv_rows)})
@@ -230,9 +196,8 @@ def compute(phase: str, kind: str, q_rows: int, kv_rows: int, pieces: int = 1) -
 
 def computed(span: dict | None) -> None:
     """The kernel call whose :func:`compute` returned ``span`` has returned."""
-    st = _state
-    if span is not None and st is not None and st.timeline is not None:
-        span["t1"] = st.timeline.stamp()
+    if span is not None and _state.timeline is not None:
+        span["t1"] = _state.timeline.stamp()
 
 
-__all__ = ["Trace", "active", "compute", "computed", "issue", "now", "recording", "timeline", "wait", "wait_start"]
+__all__ = ["Trace", "active", "compute", "computed", "issue", "now", "recording", "timeline", "wait"]
