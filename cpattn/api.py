@@ -174,7 +174,7 @@ class ContextParallel:
         self._places = placement.exchange(self._setup) if check != "off" else None
         if self._places is not None:
             placement.refuse_nccl_sharing(self._places, self.comm.backends)
-        error, self._fingerprint = None, {}
+        error = None
         self._memo = BoundedCache(MEMO_KEPT)  # what this object's choices, plans and runs remember
         try:
             with memo.scope(self._memo):
@@ -190,14 +190,19 @@ class ContextParallel:
             self.comm.setup_levels(self.topology)
         wire_topology = self.topology or Topology(1, self.world_size)  # the algorithms wire bytes count with
         self.comm.set_topology(self.topology, lambda op, n: collectives.algorithm(CommOp(op, n), wire_topology))
-        self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=backend,
-                                topology=self.topology, seq_len=seq_len, block_cache=self._memo)
+        self._base: ContextParallel | None = None  # the object a view was made from (with_mask)
+        self._views = BoundedCache(VIEWS_KEPT)  # views by mask, shared with every view of this object
+        self._own_state()
+
+    def _own_state(self) -> None:
+        """What an object owns apart from its base (a view's too): its runtime, plans, first-call checks
+        and op site."""
+        self._runtime = Runtime(self.comm, self.mask, self.layout, self.padded_len, backend=self.backend,
+                                topology=self.topology, seq_len=self.seq_len, block_cache=self._memo)
         self._plans = BoundedCache(PLANS_KEPT)
         self._checked: set = set()  # call signatures already agreed on (check="first")
         self._site = register_site(self)  # how the cpattn::attention op finds this object
         self._slot = site_slot(self._site)
-        self._base: ContextParallel | None = None  # the object a view was made from (with_mask)
-        self._views = BoundedCache(VIEWS_KEPT)  # views by mask, shared with every view of this object
 
     def _configure(self, seq_len, mask, schedule, topology, backend, layout, check, memory_limit) -> None:
         """Check every argument and derive the layout, on this rank only (no communication)."""
@@ -665,8 +670,7 @@ class ContextParallel:
         ran, ``"levels"`` gives the totals each level carried (``inter_node``: the rails across nodes;
         ``intra_node``), which add up to what their collectives count."""
         stats = self.comm.stats()
-        levels = self.comm.level_stats()
-        if levels:
+        if levels := self.comm.level_stats():
             stats["levels"] = levels
         return stats
 
@@ -685,17 +689,13 @@ class MaskView(ContextParallel):
         base.schedule.check_mask(mask)
         mask.check_seq_len(base.seq_len)
         self._base, self.mask = base, mask
+        # shared with the base: its group and communicators, its settings and its views
         self.comm, self._setup, self._exchange_device = base.comm, base._setup, base._exchange_device
-        self._places, self._fingerprint, self._views = base._places, base._fingerprint, base._views
-        self.check, self.memory_limit, self.topology = base.check, base.memory_limit, base.topology
-        self.schedule, self.backend, self.seq_len, self._layout_arg = (base.schedule, base.backend, base.seq_len,
-                                                                       base._layout_arg)
-        self._memo = BoundedCache(MEMO_KEPT)
+        self._places, self._views, self.check, self.memory_limit = base._places, base._views, base.check, \
+            base.memory_limit
+        self.topology, self.schedule, self.backend, self.seq_len = base.topology, base.schedule, base.backend, \
+            base.seq_len
+        self._memo = BoundedCache(MEMO_KEPT)  # its own: caches, layout, runtime, plans, checks, op site
         with memo.scope(self._memo):
             self.layout, self.padded_len = self._choose_layout(base._layout_arg, base.seq_len)
-        self._runtime = Runtime(self.comm, mask, self.layout, self.padded_len, backend=self.backend,
-                                topology=self.topology, seq_len=self.seq_len, block_cache=self._memo)
-        self._plans = BoundedCache(PLANS_KEPT)
-        self._checked: set = set()
-        self._site = register_site(self)
-        self._slot = site_slot(self._site)
+        self._own_state()

@@ -73,7 +73,7 @@ def _blocks(allowed: torch.Tensor) -> list[Block] | None:
     kind reads nothing back from a device), or None when nothing is allowed."""
     host = allowed.numpy()
     n, m = allowed.shape
-    if n * m == 0 or not host.any():
+    if not host.any():  # nothing allowed (or no queries or no keys)
         return None
     return [Block(slice(0, n), slice(0, m), BlockKind.FULL if host.all() else BlockKind.PARTIAL,
                   None if host.all() else allowed)]
@@ -87,27 +87,27 @@ def _merge_all(everyone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return merge.merge_finish(num.sum(0, keepdim=True), den.sum(0, keepdim=True), m)
 
 
-_ATTEND = Step(run=(Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part")),
-               after=(Local("same", "part", "out"),))
+#: this rank's partial: its queries (role ``q``) to its cached keys and values (``kv0``)
+_PARTIAL = (Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part"))
+#: the maximum lse of every rank's partial, on every rank
+_MAX = Step(before=(LseMax("part", "m"),), comm=(CommOp("all_reduce", 0, send="m", reduce_op="max"),))
 #: a decode step's program by how the ranks' partials merge: None (one rank), "all_reduce" (the maximum
 #: lse, then the weighted sums) or "all_gather" (every partial, merged on every rank)
 DECODE = {
-    None: [_ATTEND],
+    None: [Step(run=_PARTIAL, after=(Local("same", "part", "out"),))],
     "all_reduce": [
-        Step(run=(Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part"))),
-        Step(before=(LseMax("part", "m"),), comm=(CommOp("all_reduce", 0, send="m", reduce_op="max"),)),
+        Step(run=_PARTIAL), _MAX,
         Step(before=(Weigh("part", "m", "num", "den"), Local("cat", ("num", "den"), "nd")),
              comm=(CommOp("all_reduce", 0, send="nd"),), after=(Local("finish", ("nd", "m"), "out"),))],
     "all_gather": [
-        Step(run=(Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part"))),
+        Step(run=_PARTIAL),
         Step(before=(Local("with_lse", "part", "mine"),), comm=(CommOp("all_gather", 0, send="mine", recv="all"),),
              after=(Local("merge_all", "all", "out"),))],
 }
 #: a second turn's new queries to the tokens cached before it, every rank's queries gathered ("pass_q")
 PASS_Q = [
     Step(comm=(CommOp("all_gather", 0, send="q0", recv="qs"),), after=(Local("queries", "qs", "q"),)),
-    Step(run=(Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part"))),
-    Step(before=(LseMax("part", "m"),), comm=(CommOp("all_reduce", 0, send="m", reduce_op="max"),)),
+    Step(run=_PARTIAL), _MAX,
     Step(before=(Weigh("part", "m", "num", "den"), Local("cat", ("num", "den"), "nd"), Local("split", "nd", "nds")),
          comm=(CommOp("reduce_scatter", 0, send="nds", recv="nd_mine"),),
          after=(Local("mine", ("nd_mine", "m"), "out"),))]
@@ -163,10 +163,9 @@ class KVCache:
             raise ValueError(f"capacity must be an int >= 0 (tokens per rank), got {capacity!r}")
         if dtype not in kernels.SUPPORTED_DTYPES:
             raise TypeError(f"dtype={dtype} is not supported; accepted: float32, bfloat16, float16, float64 (CPU)")
-        if merge not in MERGE_CHOICES:
-            raise ValueError(f"merge={merge!r} is unknown; accepted: {', '.join(map(repr, MERGE_CHOICES))}")
-        if extend not in EXTEND_CHOICES:
-            raise ValueError(f"extend={extend!r} is unknown; accepted: {', '.join(map(repr, EXTEND_CHOICES))}")
+        for name, value, choices in (("merge", merge, MERGE_CHOICES), ("extend", extend, EXTEND_CHOICES)):
+            if value not in choices:
+                raise ValueError(f"{name}={value!r} is unknown; accepted: {', '.join(map(repr, choices))}")
         base = cp.base
         self.comm = base.comm.view(record=False)  # this cache's attention traffic, counted apart
         # its programs' caches hold the last few steps' block lists only: every step brings new masks
@@ -232,22 +231,19 @@ class KVCache:
         """This rank's keys and values of ``layer``, ``[tokens, kv_heads, head_dim]`` each (prompt tokens in
         the layout's order, then appended ones); views of the cache."""
         self._check_layer(layer)
-        n = self.tokens
         if self._keys[layer] is None:
             empty = torch.empty(0, self.kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
             return empty, empty
-        return self._keys[layer][:n], self._values[layer][:n]
+        return self._keys[layer][:self.tokens], self._values[layer][:self.tokens]
 
     def token_table(self, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rows, positions)`` of the tokens ``rank`` (default: this one) holds, in slot order."""
-        r = self.rank if rank is None else rank
-        return self._rows(r).clone(), self._positions(r).clone()
+        rows, positions = self._held(self.rank if rank is None else rank)
+        return rows.clone(), positions.clone()
 
-    def _rows(self, rank: int, upto: int | None = None) -> torch.Tensor:
-        return self._table[rank][0, :self._count[rank] if upto is None else upto]
-
-    def _positions(self, rank: int, upto: int | None = None) -> torch.Tensor:
-        return self._table[rank][1, :self._count[rank] if upto is None else upto]
+    def _held(self, rank: int, upto: int | None = None) -> torch.Tensor:
+        """``[2, n]``: the rows and positions of ``rank``'s first ``upto`` tokens (None: all it holds)."""
+        return self._table[rank][:, :self._count[rank] if upto is None else upto]
 
     def _append(self, rank: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Add tokens to ``rank``'s table (its room doubles when full)."""
@@ -317,12 +313,10 @@ class KVCache:
         lowest rank), rows in order. ``positions [rows]``: each new token's position in its row."""
         self._check_idle("place_decode")
         before = self.tokens_per_rank()
-        counts = list(before)
         owners = []
         for b in range(self.rows):
-            r = min(range(self.world_size), key=lambda i: (counts[i], i))
+            r = min(range(self.world_size), key=lambda i: (self._count[i], i))
             owners.append(r)
-            counts[r] += 1
             self._append(r, torch.tensor([b]), torch.tensor([self._row_len[b]]))
             self._row_len[b] += 1
         positions = torch.tensor(self._row_len) - 1
@@ -414,10 +408,8 @@ class KVCache:
 
     def _local(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's first ``upto`` cached tokens of ``layer``: ``k, v [1, upto, h_kv, d]``, rows, positions."""
-        if self._keys[layer] is None:
-            self._reserve(layer, 0)
-        return (self._keys[layer][:upto][None], self._values[layer][:upto][None], self._rows(self.rank, upto),
-                self._positions(self.rank, upto))
+        self._reserve(layer, 0)  # allocated on first use
+        return self._keys[layer][:upto][None], self._values[layer][:upto][None], *self._held(self.rank, upto)
 
     def _scale(self, q: torch.Tensor, softmax_scale: float | None) -> float:
         return kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -473,9 +465,8 @@ class KVCache:
         out = new_out.to(kernels.acc_dtype(q.dtype))
         lse = new_lse.clone()
         if max(step.before) > 0:
-            how, why = self.extend_choice(q, k)
-            self.last_extend = (how, why)
-            cached = self._pass_q if how == "pass_q" or self.world_size == 1 else self._pass_kv
+            self.last_extend = self.extend_choice(q, k)
+            cached = self._pass_q if self.last_extend[0] == "pass_q" or self.world_size == 1 else self._pass_kv
             old_out, old_lse = cached(layer, q, scale, window, softcap)
             merge.merge_into(out, lse, old_out, old_lse)
         if sinks is not None:
@@ -496,13 +487,12 @@ class KVCache:
         step, p = self._step, self.world_size
         s, h, d = q.shape[1], q.shape[2], q.shape[3]
         k, v, k_row, k_pos = self._local(layer, step.before[self.rank])
-        if p == 1:  # the whole cache is here: nothing to exchange
-            allowed = self._mask(step.query_rows[0], step.query_positions[0], k_row, k_pos, window)
-            return self._run(DECODE[None], {"q": q, "kv0": (k, v)}, allowed, scale, softcap)
         key = ("pass_q", window)
         if key not in step.masks:
             step.masks[key] = self._mask(torch.cat(step.query_rows), torch.cat(step.query_positions), k_row, k_pos,
                                          window)
+        if p == 1:  # the whole cache is here: nothing to exchange
+            return self._run(DECODE[None], {"q": q, "kv0": (k, v)}, step.masks[key], scale, softcap)
         fns = {"queries": lambda g: g.view(1, p * s, h, d),
                "mine": lambda nd_m: merge.merge_finish(nd_m[0][None, ..., :d], nd_m[0][None, ..., d:],
                                                        nd_m[1][:, :, self.rank * s:(self.rank + 1) * s]),
@@ -519,9 +509,8 @@ class KVCache:
         k, v, _, _ = self._local(layer, counts[self.rank])
         key = ("pass_kv", window)
         if key not in step.masks:
-            pad = [torch.full((longest - n,), -1, dtype=torch.long) for n in counts]
-            rows = torch.cat([t for r in range(p) for t in (self._rows(r, counts[r]), pad[r])])
-            pos = torch.cat([t for r in range(p) for t in (self._positions(r, counts[r]), pad[r])])
+            pad = [torch.full((2, longest - n), -1, dtype=torch.long) for n in counts]  # to the fullest rank
+            rows, pos = torch.cat([t for r, n in enumerate(counts) for t in (self._held(r, n), pad[r])], 1)
             step.masks[key] = self._mask(step.query_rows[self.rank], step.query_positions[self.rank], rows, pos,
                                          window)
         def padded(kv):  # this rank's cached keys and values, padded to the fullest rank

@@ -41,8 +41,7 @@ def register(cls: type[Schedule], *names: str) -> type[Schedule]:
             raise ValueError(f"{cls.__name__} has no alias {name!r}; its names: {', '.join(entries)}")
         if name in _REGISTRY:
             raise ValueError(f"schedule {name!r} is already registered")
-    for name in names:
-        _REGISTRY[name] = (cls, dict(entries[name]))
+    _REGISTRY.update((name, (cls, dict(entries[name]))) for name in names)
     return cls
 
 
@@ -79,12 +78,11 @@ def available() -> list[dict]:
     ``masks`` is "any" or the mask names it accepts; causal-only / bidirectional-only schedules
     accept only masks with / without ``is_causal``."""
     rows = []
-    causal_layout, full_layout = (lambda s: s.layout_for(causal())), (lambda s: s.layout_for(full()))
     for s in (get(name) for name in _REGISTRY):
-        same = causal_layout(s) == full_layout(s)
+        causal_layout, full_layout = s.layout_for(causal()), s.layout_for(full())
         rows.append({
             "name": s.name,
-            "layout": s.layout if same else f"{causal_layout(s)} (causal) / {full_layout(s)}",
+            "layout": s.layout if causal_layout == full_layout else f"{causal_layout} (causal) / {full_layout}",
             "masks": "any" if s.masks == "any" else ", ".join(s.masks),
             "causal": s.causal,
             "bidirectional": s.bidirectional,

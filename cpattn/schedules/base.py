@@ -199,11 +199,12 @@ class Schedule:
         keep = ("out", "lse", *(role for role, _ in self.keeps))
         roles = execute(rt, steps, {"q": q, "kv0": (k, v)}, partial(self.blocks_of, rt), keep=keep,
                         transforms=self.local_fns(rt, q, k))
-        result = roles["out"]
-        if isinstance(result, Accumulators):
-            out, lse = finish(rt, result.out, result.lse, q.dtype)
-        else:
-            out, lse = result, roles["lse"]
+        out, lse = roles["out"], roles.get("lse")
+        if isinstance(out, Accumulators):  # sinks merged on the rows' owner, then cast
+            out, lse = out.out, out.lse
+            if rt.sinks is not None:
+                out, lse = with_sinks(out, lse, rt.sinks)
+            out = out.to(q.dtype)
         return out, lse, tuple(roles[role] for role, _ in self.keeps)
 
     def backward(self, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -281,11 +282,10 @@ class Schedule:
             for st in self.program(problem, phase, topology, plan, rank):
                 for op in st.comm:
                     size = group_size(op.group, problem.world, topology)
-                    for kind, (calls, sent, recv) in op.accounting(rank, size).items():
+                    for kind, counts in op.accounting(rank, size).items():
                         acc = vol.setdefault(kind, {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
-                        acc["calls"] += calls
-                        acc["bytes_sent"] += sent
-                        acc["bytes_recv"] += recv
+                        for field, n in zip(acc, counts):
+                            acc[field] += n
             out[phase] = vol
         return out
 
@@ -332,20 +332,11 @@ def _own(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[
     seen = {x.untyped_storage().data_ptr() for x in inputs}
     owned = []
     for t in outputs:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen:
+        if t.untyped_storage().data_ptr() in seen:
             t = t.clone()
         seen.add(t.untyped_storage().data_ptr())
         owned.append(t)
     return owned
-
-
-def finish(rt: Runtime, out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A forward's final ``(out in dtype, lse)`` from its accumulators: the call's sinks merged in
-    (``cpattn.core.merge.with_sinks``) when it has them, on the rows' owner."""
-    if rt.sinks is not None:
-        out, lse = with_sinks(out, lse, rt.sinks)
-    return out.to(dtype), lse
 
 
 def _slot_site(slot: torch.Tensor) -> Any:
@@ -413,8 +404,7 @@ def _attention_backward_body(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     with memo.scope(rt.block_cache):  # out and lse are final (sinks merged in): the kernels' P and D are exact
         dq, dk, dv = schedule.backward(rt, dout, q, k, v, out, lse, tuple(saved))
     dsinks = sink_grad(dout, out, lse, sinks) if sinks.numel() else torch.empty_like(sinks)
-    dq, dk, dv, dsinks = _own([dq, dk, dv, dsinks], (dout, q, k, v, out, lse, *saved))
-    return dq, dk, dv, dsinks
+    return tuple(_own([dq, dk, dv, dsinks], (dout, q, k, v, out, lse, *saved)))
 
 
 @torch.library.custom_op("cpattn::attention_backward", mutates_args=())

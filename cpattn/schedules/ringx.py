@@ -59,14 +59,6 @@ from ..core.topology import Topology
 from .base import Schedule
 
 
-def merge_bytes(problem: Problem) -> tuple[int, int, int]:
-    """Bytes of the local queries (input dtype), and of the numerator ``[b, s, h, d]`` and the
-    denominator ``[b, s, h, 1]`` of a distributed merge (accumulation dtype; the lse maximum is the
-    denominator's size)."""
-    rows = problem.batch * problem.local_len * problem.heads
-    return problem.q_bytes, rows * problem.head_dim * problem.acc_elem, rows * problem.acc_elem
-
-
 @dataclass(frozen=True, eq=False)
 class RingX(Schedule):
     """RingX's broadcast-and-reduce exchange, one class for its variants (their names are aliases):
@@ -133,8 +125,8 @@ class RingX(Schedule):
         only its owner computes runs locally, without communication; under the causal mask on the
         contiguous layout that is owner 0's forward and owner P-1's backward, under a document or
         window mask every owner whose block no other rank's tokens reach."""
-        by = pairs.by_q_rank if self.travels(phase) == "q" else pairs.by_kv_rank
-        return [i for i in range(pairs.world) if sum(n for w, n in by(i) if w) > bool(pairs.pair(i, i))]
+        return [i for i in range(pairs.world)
+                if sum(n for w, n in self._step_pairs(pairs, phase, i) if w) > bool(pairs.pair(i, i))]
 
     def _step_pairs(self, pairs: PairWork, phase: str, i: int) -> tuple[tuple[Work, int], ...]:
         """Over ranks: the work of owner i's step of ``phase`` (q_i against each rank's kv when q
@@ -158,12 +150,9 @@ class RingX(Schedule):
         owners = self._owners(pairs, phase)
         lockstep = sum(max((area(w) for w, _ in self._step_pairs(pairs, phase, i)), default=0) for i in owners)
         first = max(area(pairs.pair(r, r)) for r in range(pairs.world))
-        rest = sum(max((area(w) for w, _ in self._without_owner(pairs, phase, i)), default=0) for i in owners)
+        rest = sum(max((area(w) for w, _ in _less(self._step_pairs(pairs, phase, i), pairs.pair(i, i))), default=0)
+                   for i in owners)  # each owner's step with its own diagonal taken out
         return first + rest < lockstep
-
-    def _without_owner(self, pairs: PairWork, phase: str, i: int) -> tuple[tuple[Work, int], ...]:
-        """Owner i's step with the owner's own (diagonal) work taken out."""
-        return _less(self._step_pairs(pairs, phase, i), pairs.pair(i, i))
 
     def rank_pairs(self, src, rank: int, world: int) -> list[tuple[int, int]]:
         """Sources of the owner steps (see :meth:`_owner_steps`): ``("diag", first, owners)``, this
@@ -207,7 +196,10 @@ class RingX(Schedule):
         if self.sends == "kv":
             live = (2 + self.overlap) * problem.kv_bytes + problem.acc_bytes
             return self._owner_steps(problem, phase, "pairwise", problem.kv_bytes, live, ())
-        q, num, den = merge_bytes(problem)
+        # the distributed merge's numerator [b, s, h, d] and denominator [b, s, h, 1] (accumulation dtype;
+        # the lse maximum is the denominator's size)
+        rows = problem.batch * problem.local_len * problem.heads
+        q, num, den = problem.q_bytes, rows * problem.head_dim * problem.acc_elem, rows * problem.acc_elem
         live = (1 + self.overlap) * (q + num + 2 * den) + 2 * problem.acc_bytes
         return self._owner_steps(problem, phase, "merge", q, live, (num, den))
 
@@ -236,7 +228,6 @@ class RingX(Schedule):
         step."""
         p, pairs = problem.world, self.pairs(problem)
         owners, first = self._owners(pairs, phase), self._local_first(pairs, phase)
-        shared = set(owners)
         travel = "q" if kind == "merge" else "kv0"
 
         def bcast(i: int) -> tuple[CommOp, ...]:
@@ -265,11 +256,14 @@ class RingX(Schedule):
                 return (CommOp("reduce", sizes[0], root=i, send=f"g{i}"),), (Add("dkv", f"g{i}", on=i),)
             return (), ()
 
+        def blocking(ops: tuple[CommOp, ...], actions: tuple) -> list[Step]:  # ops waited for at once, then actions
+            return [Step(ops, overlap=False, live_bytes=live, after=actions)] if ops else []
+
         init = (Zeros("out", "q", output=True),) if phase == "forward" else (Zeros("dq", "q"), Zeros("dkv", "kv0"))
         diag = (Attend("kv0", ("diag", first, tuple(owners))) if phase == "forward"
                 else AttendBack("kv0", ("diag", first, tuple(owners)), "dkv"))
         steps = []
-        if first or len(shared) < p:
+        if first or len(owners) < p:
             steps.append(Step(live_bytes=live, run=init + (diag,)))
             init = ()
         if not owners:
@@ -279,22 +273,14 @@ class RingX(Schedule):
                 steps += [Step(bcast(i), overlap=False, live_bytes=live, run=init),
                           Step(live_bytes=live, run=compute(i))]
                 init = ()
-                for ops, actions in (after(i), land(i)):
-                    if ops:
-                        steps.append(Step(ops, overlap=False, live_bytes=live, after=actions))
+                steps += blocking(*after(i)) + blocking(*land(i))
             return steps
         steps.append(Step(bcast(owners[0]), overlap=False, live_bytes=live, run=init))
         for n, i in enumerate(owners):
             landing = land(owners[n - 1]) if n else ((), ())
             in_flight = (bcast(owners[n + 1]) if n + 1 < len(owners) else ()) + landing[0]
-            steps.append(Step(in_flight, live_bytes=live, run=compute(i), after=landing[1]))
-            ops, actions = after(i)
-            if ops:
-                steps.append(Step(ops, overlap=False, live_bytes=live, after=actions))
-        ops, actions = land(owners[-1])
-        if ops:
-            steps.append(Step(ops, overlap=False, live_bytes=live, after=actions))
-        return steps
+            steps += [Step(in_flight, live_bytes=live, run=compute(i), after=landing[1])] + blocking(*after(i))
+        return steps + blocking(*land(owners[-1]))
 
 
 def _less(dist: tuple[tuple[Work, int], ...], own: Work) -> tuple[tuple[Work, int], ...]:

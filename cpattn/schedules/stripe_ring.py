@@ -131,8 +131,7 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
     block = mask.block_size if isinstance(mask, BLOCK_MASKS) else 0
     if block and block % p == 0 and block // p >= MIN_CELL_ROWS and valid == seq_len and seq_len % block == 0:
         cells, n = seq_len // block, block // p
-        kinds = _cell_kinds(mask, block, cells)
-        for qb, row in enumerate(kinds):
+        for qb, row in enumerate(_cell_kinds(mask, block, cells)):
             run = None  # first cell of the current row of FULL cells
             for kb, kind in enumerate((*row, BlockKind.EMPTY)):  # a sentinel closes the last run
                 if kind == BlockKind.FULL:
@@ -141,14 +140,14 @@ def striped_blocks(mask: Mask, seq_len: int, world: int, q_rank: int, kv_rank: i
                 if run is not None:
                     out.append(Block(slice(qb * n, (qb + 1) * n), slice(run * n, kb * n), BlockKind.FULL))
                     run = None
-                if kb < cells and kind == BlockKind.CAUSAL:
+                if kind == BlockKind.CAUSAL:
                     causal(qb * n, (qb + 1) * n, kb * n, (kb + 1) * n)
-                elif kb < cells and kind == BlockKind.PARTIAL:
+                elif kind == BlockKind.PARTIAL:
                     split(qb * n, (qb + 1) * n, kb * n, (kb + 1) * n)
-        return sorted(out, key=lambda blk: (blk.q.start, blk.kv.start))
-    q_real, kv_real = len(range(q_rank, valid, p)), len(range(kv_rank, valid, p))
-    if q_real and kv_real:
-        split(0, q_real, 0, kv_real)
+    else:
+        q_real, kv_real = len(range(q_rank, valid, p)), len(range(kv_rank, valid, p))
+        if q_real and kv_real:
+            split(0, q_real, 0, kv_real)
     return sorted(out, key=lambda blk: (blk.q.start, blk.kv.start))
 
 

@@ -152,12 +152,10 @@ def compile_steps(plan, phase: str, rank: int, sizes: Sizes) -> list[Step]:
     for i, op in enumerate(ops, start=1):
         if op.kind == "compute":
             kn = ph.kernels[op.id]
-            for c in kn.rows:
-                if owned[c] != rank:
-                    first_use.setdefault(incoming[row_item, c], i)
-            for c in kn.cols:
-                if owned[c] != rank:
-                    first_use.setdefault(incoming["kv", c], i)
+            for item, chunks in ((row_item, kn.rows), ("kv", kn.cols)):
+                for c in chunks:
+                    if owned[c] != rank:
+                        first_use.setdefault(incoming[item, c], i)
         elif op.kind == "merge":
             first_use.setdefault(op.id, i)
         elif op.kind == "send":
@@ -175,18 +173,15 @@ def compile_steps(plan, phase: str, rank: int, sizes: Sizes) -> list[Step]:
                        wait=first_use.get(op.id, end)),)))
         elif op.kind == "send":
             t = ph.transfers[op.id]
-            nbytes = sizes.item_bytes(t.item)
-            if t.item in inputs and owned[t.chunk] != rank:
-                steps.append(Step(comm=(CommOp("send", nbytes, root=t.dst, send=f"m{incoming[t.item, t.chunk]}",
-                                               tag=tag, wait=end),)))
-                continue
-            role = f"s{op.id}"
-            if t.item in inputs:
-                pack = Local(("pack", t.item, rows(t.chunk)), OWN_ROLES[t.item], role)
+            role, pack = f"s{op.id}", ()
+            if t.item in inputs and owned[t.chunk] != rank:  # a relay: sent as it arrived
+                role = f"m{incoming[t.item, t.chunk]}"
+            elif t.item in inputs:
+                pack = (Local(("pack", t.item, rows(t.chunk)), OWN_ROLES[t.item], role),)
             else:
-                pack = Local(("pack", t.item), acc_of(t.item, t.chunk)[0], role)
-            steps.append(Step(before=(pack,), comm=(CommOp("send", nbytes, root=t.dst, send=role, tag=tag,
-                                                           wait=end),)))
+                pack = (Local(("pack", t.item), acc_of(t.item, t.chunk)[0], role),)
+            steps.append(Step(before=pack, comm=(CommOp("send", sizes.item_bytes(t.item), root=t.dst, send=role,
+                                                        tag=tag, wait=end),)))
         elif op.kind == "compute":
             kn, k = ph.kernels[op.id], op.id
             ro, co = own_span(kn.rows), own_span(kn.cols)
@@ -196,11 +191,11 @@ def compile_steps(plan, phase: str, rank: int, sizes: Sizes) -> list[Step]:
                 col_parts, col_roles = gather("kv", kn.cols)
                 kv, dkv = f"c{k}", f"g{k}"
                 run.append(Local(("gather", "kv", col_parts), col_roles, kv))
+                if not forward:
+                    run.append(Zeros(dkv, kv))
                 folds = [Fold("dkv", dkv, *acc_of("dkv", c), at=(t * n, (t + 1) * n)) for t, c in enumerate(kn.cols)]
             else:  # this rank's own consecutive columns: the blocks read kv0 and add into dkv in place
                 kv, dkv, folds = "kv0", "dkv", []
-            if not forward and co is None:
-                run.append(Zeros(dkv, kv))
             if ro is not None:  # this rank's own consecutive rows: the blocks work on its q and accumulators
                 run.append(Attend(kv, src) if forward else AttendBack(kv, src, dkv))
             elif forward:

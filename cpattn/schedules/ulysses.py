@@ -76,8 +76,8 @@ def transforms(q: torch.Tensor, k: torch.Tensor, degree: int, sinks: torch.Tenso
       ``kv_plan(...)[j]``;
     - ``seq``: ``[b, D*s, H/D, d]`` -> ``[b, s, H, d]``, the inverse of ``heads``; ``lse``: ``[b, H/D,
       D*s]`` -> ``[b, H, s]``;
-    - ``dkv``: the inverse of ``kv`` for float32 gradients, in :func:`dkv_dtype`, summing the copies
-      of a kv head that went to several members;
+    - ``dkv``: the inverse of ``kv`` for float32 gradients, summing the copies of a kv head that went
+      to several members (they travel home in float32 then, else in the input dtype);
     - ``out_h``, ``lse_h``: output accumulators -> the head-split ``out`` (input dtype) and ``lse``,
       with the sinks of this ``member``'s heads merged in (``sinks [H]``, when given); ``dq_h``: float32
       dq -> the input dtype; ``packed``: the start ``(k, v)`` as one tensor; ``same``: its input."""
@@ -131,7 +131,7 @@ def transforms(q: torch.Tensor, k: torch.Tensor, degree: int, sinks: torch.Tenso
 
     def dkv_pack(dkv):
         _, b, ns, kh, d = dkv.shape
-        send = dkv.to(dkv_dtype(plan, hk, dtype)).reshape(2, b, n, ns // n, kh, d)
+        send = dkv.to(acc_dtype(dtype) if _replicated(plan, hk) else dtype).reshape(2, b, n, ns // n, kh, d)
         return send.permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def dkv_unpack(r):
@@ -147,11 +147,6 @@ def transforms(q: torch.Tensor, k: torch.Tensor, degree: int, sinks: torch.Tenso
             "dkv_pack": dkv_pack, "dkv_unpack": dkv_unpack, "out_h": lambda acc: final(acc)[0].to(dtype),
             "lse_h": lambda acc: final(acc)[1], "dq_h": lambda dq: dq.to(dtype), "same": lambda x: x,
             "packed": lambda kv: torch.stack(kv) if isinstance(kv, tuple) else kv}
-
-
-def dkv_dtype(plan: list[list[int]], kv_heads: int, dtype: torch.dtype) -> torch.dtype:
-    """dk/dv travel home in the input dtype, or float32 when copies of a head must be summed."""
-    return acc_dtype(dtype) if _replicated(plan, kv_heads) else dtype
 
 
 def saved_like(q: torch.Tensor, k: torch.Tensor, degree: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -264,10 +259,9 @@ def head_split_steps(problem: Problem, phase: str, degree: int, name: str, group
         live_in = saved + 2 * q  # dout's send copy and the received dout_h
         live_ring = saved + q + dq_acc + ring * kv + (1 + ring) * kv_acc
         live_out = saved + dq_acc + kv_acc + 2 * (q + msg["dkv"])
-    kv_op = CommOp("sendrecv", kv, peer=degree)  # ring neighbours are degree ranks apart
-    dkv_op = CommOp("sendrecv", kv_acc, peer=degree)
-    ring = ring_steps(n, kv_op, dkv_op, phase, live_ring,
-                      source=lambda t: ("groups", degree, t, problem.heads // degree, kv_heads))
+    # ring neighbours are degree ranks apart
+    ring = ring_steps(n, CommOp("sendrecv", kv, peer=degree), CommOp("sendrecv", kv_acc, peer=degree), phase,
+                      live_ring, source=lambda t: ("groups", degree, t, problem.heads // degree, kv_heads))
     if degree == 1:  # no exchange: the ring's result is the sequence split's
         return ring + ([Step(live_bytes=live_out, after=ONE_MEMBER)] if phase == "forward" else [])
     return exchanges(0, live_in) + ring + exchanges(1, live_out)
