@@ -413,8 +413,7 @@ def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any]):
     if op.op == "sendrecv":
         dst, src, to, frm = _peers(rt, op)
         if not op.slot:
-            buf = comm.new_buffer(send.shape, send.dtype, send.device)
-            roles[op.recv] = buf
+            roles[op.recv] = buf = comm.new_buffer(send.shape, send.dtype, send.device)
             return comm.send_recv([(send, dst)], [(buf, src)], tag=tag)
         buf = roles.get(op.recv)
         if buf is None:  # the exchange's first slice: the buffer, with this rank's own slice
@@ -423,17 +422,14 @@ def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any]):
             buf[own].copy_(send[own])
         return comm.send_recv([(send[to], dst)], [(buf[frm], src)], tag=tag)
     if op.op == "all_to_all":
-        buf = comm.new_buffer(send.shape, send.dtype, send.device)
-        roles[op.recv] = buf
+        roles[op.recv] = buf = comm.new_buffer(send.shape, send.dtype, send.device)
         return comm.all_to_all(buf, send, async_op=True)
     hierarchy = rt.topology if op.hierarchical else None
     if op.op == "all_gather":
-        buf = comm.new_buffer((comm.world_size, *send.shape), send.dtype, send.device)
-        roles[op.recv] = buf
+        roles[op.recv] = buf = comm.new_buffer((comm.world_size, *send.shape), send.dtype, send.device)
         return comm.hierarchical_all_gather(buf, send, hierarchy, async_op=True)
     if op.op == "reduce_scatter":
-        buf = comm.new_buffer(send.shape[1:], send.dtype, send.device)
-        roles[op.recv] = buf
+        roles[op.recv] = buf = comm.new_buffer(send.shape[1:], send.dtype, send.device)
         return comm.hierarchical_reduce_scatter(buf, send, hierarchy, async_op=True)
     raise NotImplementedError(f"the executor does not run {op.op!r} ops yet")
 
@@ -510,8 +506,8 @@ def _fold(action: Fold, roles: dict[str, Any]) -> None:
     into = roles[action.into]
     target = _rows_of(action.item, into, action.rows)
     if action.item == "o" and isinstance(into, Accumulators) and into.claim(slice(*(action.rows or (None,)))):
-        target[0].copy_(value[0])  # rows no block reached yet take the partial as is (and are now written)
-        target[1].copy_(value[1])
+        for t, x in zip(target, value):  # rows no block reached yet take the partial as is (now written)
+            t.copy_(x)
     elif action.item == "o":
         merge_into(target[0], target[1], value[0], value[1])
     else:

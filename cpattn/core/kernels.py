@@ -49,6 +49,7 @@ import importlib.util
 import math
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -528,18 +529,24 @@ def out_for_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (d * scale.unsqueeze(-1)).to(dout.dtype)
 
 
+def _call(phase: str, q: torch.Tensor, k: torch.Tensor, kind: BlockKind, mask, backend: str, softcap: float | None,
+          pieces: int | None, run: Callable[[str], Any]):
+    """One kernel call of the contract: the block checked, recorded (one trace event per block of a stacked
+    call), and ``run`` on the path :func:`kernel_for` chooses."""
+    _check_block(q, k, kind, mask, pieces)
+    span = trace.compute(phase, kind.value, q.shape[1], k.shape[1], pieces or 1)
+    result = run(kernel_for(q, kind, backend, k.shape[1], softcap))
+    trace.computed(span)
+    return result
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float,
             mask: torch.Tensor | None = None, backend: str = "auto", softcap: float | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block. Returns ``out [b, s_q, h, d]`` and ``lse [b, h, s_q]`` in the
     accumulation dtype. ``softcap``: scores become ``tanh(s / softcap) * softcap`` (:data:`SOFTCAP_PATHS`)."""
-    _check_block(q, k, kind, mask)
-    span = trace.compute("forward", kind.value, q.shape[1], k.shape[1])
-    path = kernel_for(q, kind, backend, k.shape[1], softcap)
-    result = _run_forward(path, q, k, v, kind, scale, mask, None, softcap)
-    if span is not None:
-        trace.computed(span)
-    return result
+    return _call("forward", q, k, kind, mask, backend, softcap, None,
+                 lambda path: _run_forward(path, q, k, v, kind, scale, mask, None, softcap))
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
@@ -552,15 +559,14 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     in the accumulation dtype."""
     if out is None and delta is None:
         raise ValueError("backward needs the row's final out, or its delta = rowsum(dout * out)")
-    _check_block(q, k, kind, mask)
-    span = trace.compute("backward", kind.value, q.shape[1], k.shape[1])
-    path = kernel_for(q, kind, backend, k.shape[1], softcap)
-    if out is None and path not in DELTA_PATHS:
-        out, delta = out_for_delta(dout, delta), None
-    result = _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta, softcap)
-    if span is not None:
-        trace.computed(span)
-    return result
+
+    def run(path: str):
+        if out is None and path not in DELTA_PATHS:
+            return _run_backward(path, dout, q, k, v, out_for_delta(dout, delta), lse, kind, scale, mask, None, None,
+                                 softcap)
+        return _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta, softcap)
+
+    return _call("backward", q, k, kind, mask, backend, softcap, None, run)
 
 
 def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float, pieces: int,
@@ -571,13 +577,8 @@ def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: Blo
     PARTIAL blocks bring their masks stacked, ``mask [pieces, s_q, s_kv]``. The trace records one
     compute event per block, so recordings count blocks as ``steps()`` do (a timeline: one span for the
     call)."""
-    _check_block(q, k, kind, mask, pieces)
-    span = trace.compute("forward", kind.value, q.shape[1], k.shape[1], pieces)
-    path = kernel_for(q, kind, backend, k.shape[1], softcap)
-    result = _run_forward(path, q, k, v, kind, scale, mask, None, softcap)
-    if span is not None:
-        trace.computed(span)
-    return result
+    return _call("forward", q, k, kind, mask, backend, softcap, pieces,
+                 lambda path: _run_forward(path, q, k, v, kind, scale, mask, None, softcap))
 
 
 def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -586,10 +587,5 @@ def backward_stacked(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`backward` of ``pieces`` stacked blocks, as :func:`forward_stacked` (one call, one trace event
     per block); each block's rows carry its rows' final ``out`` and ``lse``."""
-    _check_block(q, k, kind, mask, pieces)
-    span = trace.compute("backward", kind.value, q.shape[1], k.shape[1], pieces)
-    path = kernel_for(q, kind, backend, k.shape[1], softcap)
-    result = _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, None, softcap)
-    if span is not None:
-        trace.computed(span)
-    return result
+    return _call("backward", q, k, kind, mask, backend, softcap, pieces,
+                 lambda path: _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, None, softcap))
