@@ -152,6 +152,15 @@ class Region:
                 out[qo:qo + qb - qa, ko:ko + kb - ka] = self.mask.dense(qa, qb, ka, kb)
         return out
 
+    def _empty_rows(self) -> torch.Tensor:
+        """Bool ``[s_q]``: local rows with no allowed key, from the mask's row counts (taken in row chunks:
+        no ``s_q x s_kv`` tensor)."""
+        empty = torch.ones(self.s_q, dtype=torch.bool)
+        for qa, qb, qo in self.q_parts:
+            counts = sum(self.mask.row_counts(qa, qb, ka, kb) for ka, kb, _ in self.kv_parts)
+            empty[qo:qo + qb - qa] = torch.as_tensor(counts) == 0
+        return empty
+
     @property
     def area(self) -> int:
         """Allowed (query, key) pairs."""
@@ -166,7 +175,7 @@ class Region:
         if not has_intervals(self.mask):
             mod = position_mod(self.mask, *self.positions(device))
             bm = create_block_mask(mod, None, None, self.s_q, self.s_kv, device=device, BLOCK_SIZE=tile)
-            return (self.dense().any(1).logical_not().to(device), bm)
+            return self._empty_rows().to(device), bm
         kinds, empty, intervals = self.scan(tile)
         if intervals is None:
             mod = position_mod(self.mask, *self.positions(device))

@@ -560,11 +560,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if out is None and delta is None:
         raise ValueError("backward needs the row's final out, or its delta = rowsum(dout * out)")
 
-    def run(path: str):
-        if out is None and path not in DELTA_PATHS:
-            return _run_backward(path, dout, q, k, v, out_for_delta(dout, delta), lse, kind, scale, mask, None, None,
-                                 softcap)
-        return _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta, softcap)
+    def run(path: str):  # a fused path gets a stand-in out for delta; math takes delta as is
+        o, d = (out_for_delta(dout, delta), None) if out is None and path not in DELTA_PATHS else (out, delta)
+        return _run_backward(path, dout, q, k, v, o, lse, kind, scale, mask, None, d, softcap)
 
     return _call("backward", q, k, kind, mask, backend, softcap, None, run)
 

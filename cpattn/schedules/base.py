@@ -157,16 +157,17 @@ class Schedule:
         through :meth:`blocks_of`, the cost model prices this). Closed forms of the pair work where they
         apply (a ring offset, a rank's own kv, every other rank's kv; a head split's groups), else each
         rank's pairs (:meth:`rank_pairs`) counted from it."""
-        pairs, p = self.pairs(problem), problem.world
-        if len(srcs) == 1 and srcs[0][0] in ("ring", "own"):
-            return pairs.by_offset(srcs[0][1] if srcs[0][0] == "ring" else 0)
-        if sorted(srcs) == [("other", j) for j in range(p)]:
-            return pairs.remote_rows()
-        if len(srcs) == 1 and srcs[0][0] == "groups":
+        p = problem.world
+        if len(srcs) == 1 and srcs[0][0] == "groups":  # pair work over the groups, not the ranks
             _, d, t, heads, kv_heads = srcs[0]
             spans = layout_mod.grouped(problem.layout_or(self.layout_for(problem.mask)), problem.padded_len, p, d)
             groups = pair_work(problem.mask, spans, problem.padded_len, p // d, problem.seq_len)
             return head_split(groups.by_offset(t), d, heads, kv_heads)
+        pairs = self.pairs(problem)
+        if len(srcs) == 1 and srcs[0][0] in ("ring", "own"):
+            return pairs.by_offset(srcs[0][1] if srcs[0][0] == "ring" else 0)
+        if sorted(srcs) == [("other", j) for j in range(p)]:
+            return pairs.remote_rows()
         return distribution(work((k, n) for src in srcs for i, j in self.rank_pairs(src, r, p)
                                  for k, n in pairs.pair(i, j)) for r in range(p))
 
@@ -199,12 +200,13 @@ class Schedule:
         keep = ("out", "lse", *(role for role, _ in self.keeps))
         roles = execute(rt, steps, {"q": q, "kv0": (k, v)}, partial(self.blocks_of, rt), keep=keep,
                         transforms=self.local_fns(rt, q, k))
-        out, lse = roles["out"], roles.get("lse")
-        if isinstance(out, Accumulators):  # sinks merged on the rows' owner, then cast
-            out, lse = out.out, out.lse
-            if rt.sinks is not None:
-                out, lse = with_sinks(out, lse, rt.sinks)
-            out = out.to(q.dtype)
+        out = roles["out"]
+        if not isinstance(out, Accumulators):  # the program finished the output itself
+            return out, roles["lse"], tuple(roles[role] for role, _ in self.keeps)
+        out, lse = out.out, out.lse  # sinks merged on the rows' owner, then cast
+        if rt.sinks is not None:
+            out, lse = with_sinks(out, lse, rt.sinks)
+        out = out.to(q.dtype)
         return out, lse, tuple(roles[role] for role, _ in self.keeps)
 
     def backward(self, rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
