@@ -60,15 +60,10 @@ def _auto_schedule(mask: Mask, seq_len: int, world: int, topology: Topology | No
     Pure and deterministic, so every rank makes the same choice without communicating, as long as they
     see the same topology (on several hosts, pass one explicitly: profiles may differ between hosts).
     """
-    layout_mod.Layout("contiguous").check(seq_len, world)
     if topology is None:
         topology = cost.presets.this_machine(world, "schedule='auto'")
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     return cost.choose(cost.Problem(seq_len, world, mask, dtype=dtype, **AUTO_SHAPE), topology, nominal_shape=True)
-
-
-def _dist_backend(comm: Communicator) -> str:
-    return "none" if comm.group is None else str(dist.get_backend(comm.group))
 
 
 def _exchange_device(comm: Communicator) -> torch.device:
@@ -119,6 +114,13 @@ def _scale_like(softmax_scale) -> bool:
     """Whether ``softmax_scale`` can travel into the op (None or a real number; its value is checked
     there)."""
     return softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool))
+
+
+def _positive(name: str, value) -> float:
+    """``value`` (``softmax_scale``, ``softcap``) as a float; raise unless it is a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+    return float(value)
 
 
 class ContextParallel:
@@ -246,16 +248,17 @@ class ContextParallel:
             return "?" if value is None else describe(value)
 
         topo = getattr(self, "topology", None)
+        group_backend = "none" if self.comm.group is None else dist.get_backend(self.comm.group)
         return {
             "seq_len": repr(seq_len),
             "mask": get("mask", _mask_text),
-            "schedule": get("schedule", lambda s: s.spec()) if hasattr(self, "schedule") else repr(schedule),
+            "schedule": self.schedule.spec() if hasattr(self, "schedule") else repr(schedule),
             "layout": get("layout", lambda lay: lay.name),
             "padded_len": get("padded_len"),
             "topology": "None" if topo is None else f"{topo.name} {topo.nodes}x{topo.devices_per_node}",
             "backend": get("backend"),
             "check": get("check"),
-            "process group": f"{self.comm.world_size} ranks, {_dist_backend(self.comm)}",
+            "process group": f"{self.comm.world_size} ranks, {group_backend}",
             "cpattn version": __version__,
         }
     def _choose_layout(self, layout, seq_len: int) -> tuple[layout_mod.Layout, int]:
@@ -307,7 +310,7 @@ class ContextParallel:
         A batch whose rows hold different documents is one packed sequence (rows flattened into the
         sequence dimension): ``cpattn.masks.document(lengths)`` over ``b * S`` tokens, or
         ``cpattn.masks.from_cu_seqlens(cu_seqlens)``."""
-        base = self._base or self
+        base = self.base
         error, view, fresh = None, None, True
         try:
             resolved = resolve(mask)
@@ -431,12 +434,7 @@ class ContextParallel:
         if hkv < 1 or h % hkv != 0:
             raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
         self.schedule.check_shape(q, k, self.world_size)
-        if softmax_scale is None:
-            return kernels.default_scale(q.shape[3])
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or \
-                not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale!r}")
-        return float(softmax_scale)
+        return kernels.default_scale(q.shape[3]) if softmax_scale is None else _positive("softmax_scale", softmax_scale)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                   return_lse: bool = False, sinks: torch.Tensor | None = None, softcap: float | None = None,
@@ -475,25 +473,19 @@ class ContextParallel:
         else:
             sinks = q.new_empty(0, dtype=torch.float32)  # none
         if softcap is not None:
-            softcap = self._checked_softcap(softcap)
+            softcap = _positive("softcap", softcap)
+            kernels.check_softcap_backend(self.backend)
         # the checks run inside the op, on this thread: they learn the caller's format to name its dimensions
         # (not while torch.compile traces the call, which cannot trace a ContextVar)
         given = _QKV_FORMAT.set(qkv_format) if heads_first and not torch.compiler.is_compiling() else None
         try:
-            out, lse, _saved = attention_op(q, k, v, (self._base or self)._site, self._slot, scale, sinks, softcap)
+            out, lse, _saved = attention_op(q, k, v, self.base._site, self._slot, scale, sinks, softcap)
         finally:
             if given is not None:
                 _QKV_FORMAT.reset(given)
         if heads_first:
             out = out.transpose(1, 2)
         return (out, lse) if return_lse else out
-
-    def _checked_softcap(self, softcap) -> float:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-                or softcap <= 0:
-            raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
-        kernels.check_softcap_backend(self.backend)
-        return float(softcap)
 
     def _checked_scale(self, q, k, v, softmax_scale) -> float:
         """The call's softmax scale after its checks: agreed with the other ranks on the first call with

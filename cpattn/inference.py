@@ -58,14 +58,6 @@ EXTEND_CHOICES = ("auto", *inference_cost.EXTENDS)
 
 #: block lists (and their stacked calls) a cache keeps: those of the last few masks
 STEP_CACHE = 16
-#: the functions the cache programs' ``Local`` actions name: the merge's pieces (``cpattn.core.merge``)
-MERGES = {
-    "cat": lambda nd: torch.cat(nd, dim=-1),
-    "finish": lambda nd_m: merge.merge_finish(nd_m[0][..., :-1], nd_m[0][..., -1:], nd_m[1]),
-    "with_lse": lambda acc: torch.cat([acc.out, acc.lse.transpose(1, 2).unsqueeze(-1)], dim=-1)[0],
-    "merge_all": lambda everyone: _merge_all(everyone),
-    "same": lambda x: x,
-}
 
 
 def _blocks(allowed: torch.Tensor) -> list[Block] | None:
@@ -86,6 +78,15 @@ def _merge_all(everyone: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     num, den = merge.merge_weights(everyone[..., :-1], lses, m.expand_as(lses))
     return merge.merge_finish(num.sum(0, keepdim=True), den.sum(0, keepdim=True), m)
 
+
+#: the functions the cache programs' ``Local`` actions name: the merge's pieces (``cpattn.core.merge``)
+MERGES = {
+    "cat": lambda nd: torch.cat(nd, dim=-1),
+    "finish": lambda nd_m: merge.merge_finish(nd_m[0][..., :-1], nd_m[0][..., -1:], nd_m[1]),
+    "with_lse": lambda acc: torch.cat([acc.out, acc.lse.transpose(1, 2).unsqueeze(-1)], dim=-1)[0],
+    "merge_all": _merge_all,
+    "same": lambda x: x,
+}
 
 #: this rank's partial: its queries (role ``q``) to its cached keys and values (``kv0``)
 _PARTIAL = (Zeros("part", "q", output=True), Attend("kv0", ("cache",), into="part"))
@@ -172,7 +173,6 @@ class KVCache:
         self._runtime = Runtime(self.comm, base.mask, base.layout, base.padded_len, backend=base.backend,
                                 block_cache=BoundedCache(STEP_CACHE), batch_cache=BoundedCache(STEP_CACHE))
         self.topology = base.topology or this_machine(base.world_size, "KVCache")
-        self.backend = base.backend
         self.rank, self.world_size = base.rank, base.world_size
         self.layers, self.kv_heads, self.head_dim, self.rows = layers, kv_heads, head_dim, rows
         self.dtype = dtype
@@ -213,19 +213,12 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of keys and values this rank holds (its share of the cache)."""
-        return self._token_bytes() * self.tokens
+        return self.bytes_per_rank()[self.rank]
 
     def bytes_per_rank(self) -> list[int]:
         """:attr:`nbytes` of every rank (from the replicated token table; no communication)."""
-        return [self._token_bytes() * n for n in self.tokens_per_rank()]
-
-    @property
-    def capacity_bytes(self) -> int:
-        """Bytes allocated for keys and values on this rank (at least :attr:`nbytes`)."""
-        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values) if t is not None)
-
-    def _token_bytes(self) -> int:
-        return self.layers * 2 * self.kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        per_token = self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return [per_token * n for n in self._count]
 
     def shard(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's keys and values of ``layer``, ``[tokens, kv_heads, head_dim]`` each (prompt tokens in
@@ -236,14 +229,9 @@ class KVCache:
             return empty, empty
         return self._keys[layer][:self.tokens], self._values[layer][:self.tokens]
 
-    def token_table(self, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rows, positions)`` of the tokens ``rank`` (default: this one) holds, in slot order."""
-        rows, positions = self._held(self.rank if rank is None else rank)
-        return rows.clone(), positions.clone()
-
-    def _held(self, rank: int, upto: int | None = None) -> torch.Tensor:
-        """``[2, n]``: the rows and positions of ``rank``'s first ``upto`` tokens (None: all it holds)."""
-        return self._table[rank][:, :self._count[rank] if upto is None else upto]
+    def _held(self, rank: int, upto: int) -> torch.Tensor:
+        """``[2, upto]``: the rows and positions of ``rank``'s first ``upto`` tokens."""
+        return self._table[rank][:, :upto]
 
     def _append(self, rank: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Add tokens to ``rank``'s table (its room doubles when full)."""

@@ -78,16 +78,15 @@ class PeakTracker:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.peak_bytes = 0
         self.live_bytes = 0
-        self._mode: _LiveStorage | None = None
 
     def __enter__(self) -> PeakTracker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
-            return self
-        self._mode = _LiveStorage()
-        self._mode.__enter__()
+        else:
+            self._mode = _LiveStorage()
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -95,10 +94,9 @@ class PeakTracker:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
             self.live_bytes = torch.cuda.memory_allocated(self.device) - self._base
-            return
-        assert self._mode is not None
-        self._mode.__exit__(*exc)
-        self.peak_bytes, self.live_bytes = self._mode.peak, self._mode.live
+        else:
+            self._mode.__exit__(*exc)
+            self.peak_bytes, self.live_bytes = self._mode.peak, self._mode.live
 
 
 __all__ = ["PeakTracker"]

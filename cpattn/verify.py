@@ -198,8 +198,7 @@ def local_kernel(q, k, v, dout, mask_name: str, scale: float, allowed: torch.Ten
                  ) -> dict[str, torch.Tensor]:
     """The single-device kernel on the whole sequence in the inputs' dtype (for e_local): the causal or
     full kernel, or the masked one with ``allowed`` for any other mask."""
-    kinds = {"causal": BlockKind.CAUSAL, "full": BlockKind.FULL}
-    kind = kinds.get(mask_name, BlockKind.PARTIAL)
+    kind = {"causal": BlockKind.CAUSAL, "full": BlockKind.FULL}.get(mask_name, BlockKind.PARTIAL)
     mask = allowed.to(q.device) if kind == BlockKind.PARTIAL else None  # the kernels take it where q is
     out, lse = kernels.forward(q, k, v, kind, scale, mask)
     dq, dk, dv = kernels.backward(dout, q, k, v, out.to(q.dtype), lse, kind, scale, mask)
@@ -541,8 +540,7 @@ def _compare_comm(results: list[dict]) -> list[str]:
             measured = {op: v for op, v in r["measured"][phase].items() if op not in ("total", "levels")}
             expected = r["expected"][phase]
             for op in sorted(set(measured) | set(expected)):
-                m = measured.get(op, {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
-                e = expected.get(op, {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
+                m, e = (d.get(op, {"calls": 0, "bytes_sent": 0, "bytes_recv": 0}) for d in (measured, expected))
                 if m != e:
                     bad.append(f"rank {r['rank']} {phase} {op}: measured {m}, formula {e}")
     return bad
@@ -591,11 +589,9 @@ def check(case: Case, per_rank: list, allowed: torch.Tensor | None = None, mask_
         allowed, mask_name = dense_mask(case.mask, case.seq, case.mask_args), case.mask
     ref = reference(x["q"], x["k"], x["v"], x["dout"], allowed, scale)
     e_local = local_errors(x, mask_name, scale, allowed, ref)
-    got = {}
-    for q in QUANTITIES:
-        got[q] = assemble(members, q, 2 if q == "lse" else 1)
-        res.errors[q] = rel_error(got[q], ref[q])
-        res.tolerances[q] = 2 * e_local[q] + 1e-6
+    got = {q: assemble(members, q, 2 if q == "lse" else 1) for q in QUANTITIES}
+    res.errors = {q: rel_error(got[q], ref[q]) for q in QUANTITIES}
+    res.tolerances = {q: 2 * e_local[q] + 1e-6 for q in QUANTITIES}
     res.comm_mismatches = _compare_comm(members) + _compare_levels(case, members)
     res.levels = {r["rank"]: r.get("levels", {}) for r in members}
     res.spec_mismatches = _compare_spec(members)

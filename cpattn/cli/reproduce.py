@@ -164,7 +164,7 @@ def run_ringx(args) -> int:
             ring = case.total(r.RINGX_BASELINE)
             row += [f"{b} x {s}", str(p), "-" if ring is None else f"{ring:.4g}"]
             row += [_x(case.speedup(n, r.RINGX_BASELINE), case.fits(n)) for n in names]
-            row += [best or "none fits", _x(case.speedup(best, r.RINGX_BASELINE)) if best else "-"]
+            row += [best or "none fits", _x(case.speedup(best, r.RINGX_BASELINE))]
             rows.append(row)
         out.print(table(cols, rows, everything="--json PATH has every figure",
                         title=f"RingX on {r.RINGX_TOPOLOGY} ({args.algorithm} collectives): {mask} attention, "
@@ -191,9 +191,8 @@ def run_ringx(args) -> int:
         rows = []
         for (mask, h, kv, d, b, s, p, variant), (ov, no) in paired.items():
             row = [f"{h}:{kv} {d}"] if several_models else []
-            note = ov["reason"] or no["reason"]
             row += [mask, f"{b} x {s}", str(p), variant, "yes" if ov["fits"] else "no", _x(ov["at_preset"]),
-                    _need(ov), _need(no), _gbs(ov["preset_bandwidth"]), note]
+                    _need(ov), _need(no), _gbs(ov["preset_bandwidth"]), ov["reason"] or no["reason"]]
             rows.append(row)
         out.print(table(cols, rows, everything="--json PATH has every figure",
                         title=f"What the ring's point-to-point bandwidth would have to be for each variant to be "
@@ -366,22 +365,16 @@ def plot_ultraattn(speedups: list, averages: list[dict], patterns: list[str], ta
 
     panels = sorted({(s.seq_len, s.heads) for s in speedups})
     gpus = sorted({s.gpus for s in speedups})
+    mean = {(a["seq_len"], a["heads"], a["gpus"]): (a["mean_vs_ring_family"], a["mean_vs_best"]) for a in averages}
+    each = {(s.pattern, s.seq_len, s.heads, s.gpus): (s.vs_ring, s.vs_any) for s in speedups}
     fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.5 * (len(patterns) + 1) * len(gpus) * len(panels)
                                                       + 1.5 * len(panels), 3.8), squeeze=False)
     width = 0.8 / len(gpus)
     groups = [*patterns, "mean"]
     for ax, (seq, h) in zip(axes[0], panels):
         for k, p in enumerate(gpus):
-            ring, best = [], []
-            for g in groups:
-                if g == "mean":
-                    row = next((a for a in averages if (a["seq_len"], a["heads"], a["gpus"]) == (seq, h, p)), {})
-                    ring.append(row.get("mean_vs_ring_family"))
-                    best.append(row.get("mean_vs_best"))
-                    continue
-                s = next((s for s in speedups if (s.pattern, s.seq_len, s.heads, s.gpus) == (g, seq, h, p)), None)
-                ring.append(None if s is None else s.vs_ring)
-                best.append(None if s is None else s.vs_any)
+            ring, best = zip(*(mean.get((seq, h, p), (None, None)) if g == "mean" else
+                               each.get((g, seq, h, p), (None, None)) for g in groups))
             xs = [i + (k - (len(gpus) - 1) / 2) * width for i in range(len(groups))]
             ax.bar(xs, [v or 0.0 for v in ring], width, label=f"{p} GPUs")
             ax.scatter([x for x, v in zip(xs, best) if v], [v for v in best if v], marker="_", s=120, color="black",

@@ -88,13 +88,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return m
 
 
-def _mask_label(args, mask) -> str:
-    """The mask as the title names it: its repr, or the documents packed under it (``--documents``)."""
-    if args.documents is None:
-        return repr(mask)
-    return f"{args.documents} documents (seed {args.seed}), {args.mask}"
-
-
 def _masks(args, seqs: list[int]) -> dict:
     """``{seq: mask}`` for every sequence length: ``--mask``, or with ``--documents`` a document mask of
     lengths packed into that many tokens (causal when ``--mask`` is causal, else full)."""
@@ -142,7 +135,7 @@ def run(args) -> int:
     build, algo = a.topology_builder(args)
     # the row's key of each phase's estimate ("estimate": the --phase table's one, as --json has always named it)
     phases = {"forward": "forward", "backward": "backward"} if args.tflops else {"estimate": args.phase}
-    rows, bounds, device = [], {}, None
+    rows, bounds = [], {}
     with Progress(console=stderr(), transient=True) as progress:
         task = progress.add_task("simulate", total=len(gpus) * len(names))
         for p in gpus:
@@ -170,15 +163,16 @@ def run(args) -> int:
                 rows.append(row)
                 progress.advance(task)
     out = stdout(to_stdout(args.json))
-    title = (f"cpattn simulate: {args.topology}, {_mask_label(args, mask)}, h={args.heads}:{args.kv_heads} "
+    # the mask as the title names it: its repr, or the documents packed under it (--documents)
+    label = repr(mask) if args.documents is None else f"{args.documents} documents (seed {args.seed}), {args.mask}"
+    title = (f"cpattn simulate: {args.topology}, {label}, h={args.heads}:{args.kv_heads} "
              f"d={args.head_dim} b={args.batch} {args.dtype}, {'forward / backward' if args.tflops else args.phase}, "
              f"collectives {algo or 'default'}")
     if args.tflops:
         _print_tflops(out, rows, gpus, names, title)
     else:
         _print_times(out, rows, title)
-    if device is not None:
-        out.print(f"device: {device.name}", highlight=False)
+    out.print(f"device: {device.name}", highlight=False)
     if bounds:
         what = (f"{device.forward_flops / 1e12:.0f} / {device.backward_flops / 1e12:.0f} TFLOP/s per GPU" if args.tflops
                 else ", ".join(f"P={p}: {sum(b.values()) * 1e3:.4g} ms" for p, b in bounds.items()))
@@ -230,19 +224,16 @@ def _print_tflops(out, rows: list[dict], gpus: list[int], names: list[str], titl
     """The ``--tflops`` table: one row per schedule, one column per GPU count, each cell the attention
     TFLOP/s per GPU forward / backward (why a cell is empty: a numbered footnote)."""
     by = {(r["gpus"], r["schedule"]): r for r in rows}
-    notes = [by[p, n]["note"] if by[p, n]["forward"] is None or by[p, n]["backward"] is None else ""
-             for n in names for p in gpus]
-    marks, texts = footnotes(notes)
-    cells, i = [], 0
+    empty = {key for key, r in by.items() if r["forward"] is None or r["backward"] is None}
+    marks, texts = footnotes([by[p, n]["note"] if (p, n) in empty else "" for n in names for p in gpus])
+    mark = iter(marks)  # one per cell, in the order the cells are filled
+    cells = []
     for n in names:
         line = [n]
         for p in gpus:
-            r = by[p, n]
-            if r["forward"] is None or r["backward"] is None:
-                line.append(f"- {marks[i]}".strip())
-            else:
-                line.append(f"{r['forward'].tflops_per_rank(p):.0f} / {r['backward'].tflops_per_rank(p):.0f}")
-            i += 1
+            r, m = by[p, n], next(mark)
+            line.append(f"- {m}".strip() if (p, n) in empty
+                        else f"{r['forward'].tflops_per_rank(p):.0f} / {r['backward'].tflops_per_rank(p):.0f}")
         cells.append(line)
     columns = (Column("schedule", "left"), *(Column(f"{p} GPUs") for p in gpus))
     out.print(title, highlight=False)  # a line of its own: wrapped as the title of this narrow table, it reads badly

@@ -158,17 +158,14 @@ def _rectangles(mask: Mask, q_parts: list[tuple[int, int, int]], kv_parts: list[
             for a, b, c, d, kind, flip in rects:
                 allowed, pairs = None, None
                 if kind == BlockKind.PARTIAL:  # a cover's band tile may be cut down to nothing, or to all
-                    if dense:
-                        allowed = mask.dense(a, b, c, d)
-                        pairs = int(allowed.sum())
-                    else:
-                        pairs = mask.count(a, b, c, d)
-                    if pairs == 0:
+                    allowed = mask.dense(a, b, c, d) if dense else None
+                    count = int(allowed.sum()) if dense else mask.count(a, b, c, d)
+                    if count == 0:
                         continue
-                    if pairs == (b - a) * (d - c):
-                        kind, allowed, pairs = BlockKind.FULL, None, None
-                    elif dense:
-                        pairs = None
+                    if count == (b - a) * (d - c):
+                        kind, allowed = BlockKind.FULL, None
+                    elif not dense:
+                        pairs = count
                 out.append(Block(slice(qo + a - qa, qo + b - qa), slice(ko + c - ka, ko + d - ka), kind, allowed,
                                  flip, pairs))
     return _fuse_full(out)

@@ -52,17 +52,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import trace
 from .staging import Stager, StagingPool, device_backends
 from .steps import TREE_OPS, payload
 from .steps import wire as wire_bytes
 from .topology import Topology
-
-try:  # torch >= 2.2
-    from torch.distributed.device_mesh import DeviceMesh
-except ImportError:  # pragma: no cover
-    DeviceMesh = None
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch >= 2.7 names the flat collectives *_single; older releases only have *_tensor
@@ -118,10 +114,6 @@ def _new_counts() -> dict[str, int]:
     return dict.fromkeys((*_PAYLOAD_KEYS, "wire_sent"), 0)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class _Recorded:
     """A handle whose ``wait()`` is recorded (``cpattn.core.trace``) the first time; with a timeline, its start
     and its end are stamped."""
@@ -159,7 +151,7 @@ class Communicator:
         self._levels: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
         self._levels_shape: tuple[int, int] | None = None
         self._subs: tuple[Communicator, Communicator] | None = None
-        if DeviceMesh is not None and isinstance(group, DeviceMesh):
+        if isinstance(group, DeviceMesh):
             group = self._from_mesh(group)
         if not dist.is_available() or not dist.is_initialized():
             if group is not None:
@@ -295,8 +287,8 @@ class Communicator:
         start = trace.now()
         kinds = [(dist.isend, self.global_rank(peer)) for _, peer in sends]
         kinds += [(dist.irecv, self.global_rank(peer)) for _, peer in recvs]
-        counted = [self._count("send", _nbytes(t)) for t, _ in sends]
-        counted += [self._count("recv", _nbytes(t)) for t, _ in recvs]
+        counted = [self._count("send", t.nbytes) for t, _ in sends]
+        counted += [self._count("recv", t.nbytes) for t, _ in recvs]
         if not kinds:
             return _Done()
 
@@ -345,19 +337,19 @@ class Communicator:
     def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):
         """Broadcast ``t`` (in place) from group rank ``src``."""
         return self._collective(
-            "broadcast", _nbytes(t), async_op,
+            "broadcast", t.nbytes, async_op,
             lambda x: dist.broadcast(x, self.global_rank(src), group=self.group, async_op=True),
             (t, "in" if self.rank == src else "out"), root=src)
 
     def reduce(self, t: torch.Tensor, dst: int, op: str = "sum", async_op: bool = False):
         """Reduce ``t`` (in place) onto group rank ``dst``; other ranks' ``t`` is scratch afterwards."""
         return self._collective(
-            "reduce", _nbytes(t), async_op,
+            "reduce", t.nbytes, async_op,
             lambda x: dist.reduce(x, self.global_rank(dst), op=_REDUCE_OPS[op], group=self.group, async_op=True),
             (t, "inout" if self.rank == dst else "in"), root=dst)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
-        return self._collective("all_reduce", _nbytes(t), async_op,
+        return self._collective("all_reduce", t.nbytes, async_op,
                                 lambda x: dist.all_reduce(x, op=_REDUCE_OPS[op], group=self.group, async_op=True),
                                 (t, "inout"))
 
@@ -370,7 +362,7 @@ class Communicator:
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """``out`` (first dim = world_size * t's first dim) receives every rank's ``t`` in rank order."""
         self._check_split("all_gather: out", out, t)
-        return self._collective("all_gather", _nbytes(t), async_op,
+        return self._collective("all_gather", t.nbytes, async_op,
                                 lambda o, i: _ALL_GATHER(o.view(-1), i.reshape(-1), group=self.group, async_op=True),
                                 (out, "out"), (t, "in"), alone=lambda: out.copy_(t.view_as(out)))
 
@@ -378,13 +370,13 @@ class Communicator:
         """Sum ``t`` over ranks; rank r keeps the r-th of world_size equal slices in ``out``."""
         self._check_split("reduce_scatter: input", t, out)
         return self._collective(
-            "reduce_scatter", _nbytes(out), async_op,
+            "reduce_scatter", out.nbytes, async_op,
             lambda o, i: _REDUCE_SCATTER(o.view(-1), i.reshape(-1), group=self.group, async_op=True),
             (out, "out"), (t, "in"), alone=lambda: out.copy_(t.view_as(out)))
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
         """Equal-split all-to-all along the first dim (slice j of ``t`` goes to rank j)."""
-        return self._collective("all_to_all", _nbytes(t), async_op,
+        return self._collective("all_to_all", t.nbytes, async_op,
                                 lambda o, i: dist.all_to_all_single(o, i, group=self.group, async_op=True),
                                 (out, "out"), (t, "in"), alone=lambda: out.copy_(t))
 
@@ -451,9 +443,7 @@ class Communicator:
         """Totals (``calls``, ``bytes_sent``, ``bytes_recv``, ``wire_sent``) of the two levels of this
         communicator's hierarchical collectives: ``inter_node`` (the rails) and ``intra_node``; empty
         before any ran."""
-        if self._subs is None:
-            return {}
-        return {level: sub.stats()["total"] for level, sub in zip(LEVELS, self._subs)}
+        return {level: sub.stats()["total"] for level, sub in zip(LEVELS, self._subs or ())}
 
     def hierarchical_all_gather(self, out: torch.Tensor, t: torch.Tensor, topology: Topology | None,
                                 async_op: bool = False):
@@ -471,7 +461,7 @@ class Communicator:
         rail, node = levels
         n_nodes, d = rail.world_size, node.world_size
         self._check_split("all_gather: out", out, t)
-        counted = [self._count("all_gather", _nbytes(t))]
+        counted = [self._count("all_gather", t.nbytes)]
         by_node = self.new_buffer((n_nodes, *t.shape), t.dtype, t.device)
         first = rail.all_gather(by_node, t.contiguous(), async_op=True)
 
@@ -499,7 +489,7 @@ class Communicator:
         rail, node = levels
         n_nodes, d = rail.world_size, node.world_size
         self._check_split("reduce_scatter: input", t, out)
-        counted = [self._count("reduce_scatter", _nbytes(out))]
+        counted = [self._count("reduce_scatter", out.nbytes)]
         by_local = t.reshape(n_nodes, d, -1).transpose(0, 1).contiguous()
         partial = self.new_buffer((n_nodes, out.numel()), out.dtype, out.device)
         first = node.reduce_scatter(partial, by_local, async_op=True)

@@ -86,14 +86,13 @@ class Runtime:
                                                                       self.world, q_rank, list(kv_ranks),
                                                                       self.seq_len, self.regions))
 
-
     def batches(self, blocks: list[blocks_mod.Block], device: torch.device) -> list[Run]:
         """The stacked kernel calls of ``blocks`` (``cpattn.core.blocks.batches``) with their row and column
         indices and masks already on ``device``, kept per block list: a steady-state call copies nothing
         from the host and reads nothing back."""
         key = (id(blocks), str(device))
-        entry = self.batch_cache.get(key, lambda: (blocks, [Run.of(b, device) for b in blocks_mod.batches(blocks)]))
-        if entry[0] is not blocks:  # a list that died left its id to this one
+        entry = self.batch_cache.get(key, lambda: (None, None))
+        if entry[0] is not blocks:  # new, or a list that died left its id to this one
             entry = (blocks, [Run.of(b, device) for b in blocks_mod.batches(blocks)])
             self.batch_cache.put(key, entry)
         return entry[1]
@@ -123,7 +122,6 @@ class Run:
         cols = batch.cols().to(device) if cs is None else None
         masks = batch.masks()
         return cls(batch, rs, cs, rows, cols, host_rows, None if masks is None else masks.to(device))
-
 
 
 class Accumulators:
@@ -179,11 +177,10 @@ def _write(acc: Accumulators, span: slice | None, index: torch.Tensor | None, ho
             merge_into(out_acc[:, span], lse_acc[:, :, span], o, lse)
         return
     if fresh:
-        out_acc.index_copy_(1, index, o.to(out_acc.dtype))
-        lse_acc.index_copy_(2, index, lse.to(lse_acc.dtype))
-        return
-    acc_o, acc_l = out_acc.index_select(1, index), lse_acc.index_select(2, index)
-    merge_into(acc_o, acc_l, o, lse)
+        acc_o, acc_l = o.to(out_acc.dtype), lse.to(lse_acc.dtype)
+    else:
+        acc_o, acc_l = out_acc.index_select(1, index), lse_acc.index_select(2, index)
+        merge_into(acc_o, acc_l, o, lse)
     out_acc.index_copy_(1, index, acc_o)
     lse_acc.index_copy_(2, index, acc_l)
 
@@ -249,8 +246,6 @@ def attend_backward(rt: Runtime, dout: torch.Tensor, q: torch.Tensor, k: torch.T
                 acc.index_add_(1, index, grad)
 
 
-
-
 # ---------------------------------------------------------------------- the runner
 #: ``blocks_of(src)``: the blocks of an action's source on this rank (None: nothing to compute)
 BlocksOf = Callable[[Hashable], "list[blocks_mod.Block] | None"]
@@ -294,7 +289,7 @@ START_ROLES = {"forward": {"q": ROWS, "kv0": KV},
 def _made(action, kinds: dict[str, str]) -> dict[str, str]:
     """The kinds of the roles an action makes."""
     if isinstance(action, Zeros):
-        like = KV if isinstance(action.like, tuple) else kinds.get(action.like, ANY).rstrip("*")
+        like = kinds.get(action.like, ANY).rstrip("*")
         return {action.role: ACC if action.output else like + ("*" if action.count is not None else "")}
     if isinstance(action, Fold):
         return {action.into: {"o": ACC, "dq": ROWS, "dkv": KV}[action.item]}
@@ -394,16 +389,18 @@ def _tensor(roles: dict[str, Any], role: str) -> torch.Tensor:
 def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any]):
     """Start ``op`` on this rank; its handle. Received buffers are new (``Communicator.new_buffer``)."""
     comm = rt.comm
-    if op.op == "broadcast":
-        if rt.rank == op.root:
-            roles[op.recv] = buf = _tensor(roles, op.send)
-        else:
-            mine = _tensor(roles, op.send)
-            roles[op.recv] = buf = comm.new_buffer(mine.shape, mine.dtype, mine.device)
-        return comm.broadcast(buf, src=op.root, async_op=True)
     if op.op == "recv":  # into the buffer an action of the step (``before``) made
         return comm.send_recv(recvs=[(roles[op.recv], op.root)], tag=tag)
     send = _tensor(roles, op.send)
+
+    def received(shape: tuple[int, ...] = send.shape) -> torch.Tensor:
+        """A new buffer of ``shape`` in ``send``'s dtype and device, kept as role ``op.recv``."""
+        roles[op.recv] = buf = comm.new_buffer(shape, send.dtype, send.device)
+        return buf
+
+    if op.op == "broadcast":  # the root's own tensor is its received role
+        roles[op.recv] = buf = send if rt.rank == op.root else received()
+        return comm.broadcast(buf, src=op.root, async_op=True)
     if op.op == "send":
         return comm.send_recv(sends=[(send, op.root)], tag=tag)
     if op.op == "all_reduce":
@@ -413,24 +410,20 @@ def _issue(rt: Runtime, op: CommOp, tag: int, roles: dict[str, Any]):
     if op.op == "sendrecv":
         dst, src, to, frm = _peers(rt, op)
         if not op.slot:
-            roles[op.recv] = buf = comm.new_buffer(send.shape, send.dtype, send.device)
-            return comm.send_recv([(send, dst)], [(buf, src)], tag=tag)
+            return comm.send_recv([(send, dst)], [(received(), src)], tag=tag)
         buf = roles.get(op.recv)
         if buf is None:  # the exchange's first slice: the buffer, with this rank's own slice
-            roles[op.recv] = buf = comm.new_buffer(send.shape, send.dtype, send.device)
+            buf = received()
             own = rt.rank % (op.within or rt.world)
             buf[own].copy_(send[own])
         return comm.send_recv([(send[to], dst)], [(buf[frm], src)], tag=tag)
     if op.op == "all_to_all":
-        roles[op.recv] = buf = comm.new_buffer(send.shape, send.dtype, send.device)
-        return comm.all_to_all(buf, send, async_op=True)
+        return comm.all_to_all(received(), send, async_op=True)
     hierarchy = rt.topology if op.hierarchical else None
     if op.op == "all_gather":
-        roles[op.recv] = buf = comm.new_buffer((comm.world_size, *send.shape), send.dtype, send.device)
-        return comm.hierarchical_all_gather(buf, send, hierarchy, async_op=True)
+        return comm.hierarchical_all_gather(received((comm.world_size, *send.shape)), send, hierarchy, async_op=True)
     if op.op == "reduce_scatter":
-        roles[op.recv] = buf = comm.new_buffer(send.shape[1:], send.dtype, send.device)
-        return comm.hierarchical_reduce_scatter(buf, send, hierarchy, async_op=True)
+        return comm.hierarchical_reduce_scatter(received(send.shape[1:]), send, hierarchy, async_op=True)
     raise NotImplementedError(f"the executor does not run {op.op!r} ops yet")
 
 
@@ -530,26 +523,22 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
     entry = rt.block_cache.get(("last uses", id(steps)), lambda: (steps, _last_uses(steps)))
     drops = entry[1] if entry[0] is steps else _last_uses(steps)  # a list that died left its id to this one
     keep = set(keep)
-    due: dict[int, list] = {}  # step index -> handles waited for before its run actions
+    due: dict[int, list] = {}  # step index -> handles: earlier steps' waited for at its start, its own after its run
     for i, (st, drop) in enumerate(zip(steps, drops)):
         for handle in due.pop(i, ()):
             handle.wait()
         for action in st.before:
             _do(rt, action, roles, blocks_of, transforms)
-        handles = []
         for n, op in enumerate(st.comm):
             handle = _issue(rt, op, n if op.tag is None else op.tag, roles)
-            if op.wait is None or op.wait == i:
-                handles.append(handle)
-            elif op.wait < i:
+            wait = i if op.wait is None else op.wait
+            if wait < i:
                 raise ValueError(f"step {i}: an op cannot be waited for at an earlier step ({op.wait})")
-            else:
-                due.setdefault(op.wait, []).append(handle)
+            due.setdefault(wait, []).append(handle)
         for action in st.run:
             _do(rt, action, roles, blocks_of, transforms)
-        for handle in handles:
+        for handle in due.pop(i, ()):  # its own ops (popped: a finished op's handle still holds its tensors)
             handle.wait()
-        del handles  # a finished op's handle still holds its tensors
         for action in st.after:
             _do(rt, action, roles, blocks_of, transforms)
         for role in drop - keep:

@@ -125,9 +125,7 @@ class Region:
         covered = covered.view(nq, nk + 1).cumsum(1)[:, :nk]
         kinds = torch.where(touched > 0, PARTIAL_TILE, EMPTY_TILE).to(torch.int8)
         kinds = kinds.masked_fill(covered == tile, FULL_TILE)
-        if not narrow:
-            return kinds, empty, None
-        return kinds, empty, (kept[0], kept[1])
+        return kinds, empty, (kept[0], kept[1]) if narrow else None
 
     def tile_kinds(self, tile: int = TILE) -> torch.Tensor:
         """:data:`EMPTY_TILE`, :data:`PARTIAL_TILE` or :data:`FULL_TILE` per ``tile x tile`` cell (:meth:`scan`)."""
@@ -177,10 +175,8 @@ class Region:
             bm = create_block_mask(mod, None, None, self.s_q, self.s_kv, device=device, BLOCK_SIZE=tile)
             return self._empty_rows().to(device), bm
         kinds, empty, intervals = self.scan(tile)
-        if intervals is None:
-            mod = position_mod(self.mask, *self.positions(device))
-        else:
-            mod = interval_mod(*(x.to(device) for x in intervals))
+        mod = (position_mod(self.mask, *self.positions(device)) if intervals is None
+               else interval_mod(*(x.to(device) for x in intervals)))
         num, idx = _indices(kinds == PARTIAL_TILE)
         full_num, full_idx = _indices(kinds == FULL_TILE)
         meta = [t[None, None].to(device) for t in (num, idx, full_num, full_idx)]

@@ -89,14 +89,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def acc_bytes(dtype: torch.dtype) -> int:
     """Bytes per element of the accumulators of inputs of ``dtype`` (:func:`acc_dtype`)."""
-    return torch.empty((), dtype=acc_dtype(dtype)).element_size()
+    return acc_dtype(dtype).itemsize
 
 
 def element_bytes(name: str, accumulator: bool = False) -> int:
     """Bytes per element of dtype ``name`` (a :data:`DTYPES` key), or of its accumulators."""
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r} is unknown; accepted: {', '.join(DTYPES)}")
-    return acc_bytes(DTYPES[name]) if accumulator else torch.empty((), dtype=DTYPES[name]).element_size()
+    return acc_bytes(DTYPES[name]) if accumulator else DTYPES[name].itemsize
 
 
 # --------------------------------------------------------------------------------------- dispatch
@@ -175,13 +175,12 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
         raise ValueError("an EMPTY block has nothing to compute; schedules must skip it")
     if backend == "math":
         return "math"
+    flex = "flex_cuda" in available and kernel_fits("flex_cuda", dtype, head_dim)
     if softcap:
         check_softcap_backend(backend)
-        flex = device_type == "cuda" and "flex_cuda" in available and kernel_fits("flex_cuda", dtype, head_dim)
-        return "flex_cuda" if flex else "math"
+        return "flex_cuda" if device_type == "cuda" and flex else "math"
     if device_type == "cpu":
-        short = kv_len is not None and kv_len < CPU_FLASH_MIN_KEYS_LOW_PRECISION and \
-            dtype in (torch.bfloat16, torch.float16)
+        short = kv_len is not None and kv_len < CPU_FLASH_MIN_KEYS_LOW_PRECISION and dtype in _HALF
         fits = kind != BlockKind.PARTIAL or dtype in CPU_FLASH_PARTIAL_DTYPES
         return "flash_cpu" if fits and not short and "flash_cpu" in available else "math"
     if device_type != "cuda":
@@ -191,7 +190,7 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
     if backend == "flash_attn" and "flash_attn" not in available:
         raise _flash_attn_missing(backend)
     if kind == BlockKind.PARTIAL:
-        return "flex_cuda" if "flex_cuda" in available and kernel_fits("flex_cuda", dtype, head_dim) else "math"
+        return "flex_cuda" if flex else "math"
     if backend == "flash_attn" and kernel_fits("flash_attn", dtype, head_dim):
         return "flash_attn"
     for path in kernel_table.cuda_order(capability, dtype_name(dtype), head_dim):
@@ -235,18 +234,15 @@ def _cuda_paths(index: int) -> frozenset[str]:
     """Paths the GPU ``index`` supports with this torch build and these packages (before switches)."""
     major, minor = torch.cuda.get_device_capability(index)
     ampere = (major, minor) >= (8, 0)
-    paths = {"math"}
-    if (major, minor) >= (5, 0):
-        paths.add("efficient_cuda")
-    if ampere and torch.backends.cuda.is_flash_attention_available():
-        paths.add("flash_cuda")
-    if ampere and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000:
-        paths.add("cudnn_cuda")
-    if ampere and kernels_cuda.flex_supported():
-        paths.add("flex_cuda")
-    if ampere and importlib.util.find_spec("flash_attn") is not None:
-        paths.add("flash_attn")
-    return frozenset(paths)
+    supported = {
+        "math": True,
+        "efficient_cuda": (major, minor) >= (5, 0),
+        "flash_cuda": ampere and torch.backends.cuda.is_flash_attention_available(),
+        "cudnn_cuda": ampere and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000,
+        "flex_cuda": ampere and kernels_cuda.flex_supported(),
+        "flash_attn": ampere and importlib.util.find_spec("flash_attn") is not None,
+    }
+    return frozenset(p for p, ok in supported.items() if ok)
 
 
 def _check_block(q: torch.Tensor, k: torch.Tensor, kind: BlockKind, mask: torch.Tensor | None,
@@ -335,33 +331,34 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, kind, scale, mask):
 
 
 # --------------------------------------------------------------------------------------- math path
-def _allowed(kind: BlockKind, mask: torch.Tensor | None, r0: int, r1: int, sk: int, device,
-             b: int = 1) -> torch.Tensor | None:
-    """Boolean [r1 - r0, sk] for query rows r0..r1 of the block (``[b, 1, 1, r1 - r0, sk]`` for a
-    stacked ``[pieces, s_q, s_kv]`` mask over ``b`` batch rows), or None when every pair attends."""
+def _scores(qc: torch.Tensor, kf: torch.Tensor, scale: float, softcap: float | None, kind: BlockKind,
+            mask: torch.Tensor | None, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores ``[b, h_kv, g, r1 - r0, s_kv]`` of the block's query rows r0..r1 (``qc [b, r1 - r0, h_kv, g, d]``
+    against ``kf [b, s_kv, h_kv, d]``), soft-capped as ``tanh(s / softcap) * softcap`` (Gemma 2) and -inf
+    where the block leaves a pair out (its kind, or its mask: ``[s_q, s_kv]``, or a stacked ``[pieces, s_q,
+    s_kv]`` one over the ``b`` batch rows, taken as ``[b, 1, 1, r1 - r0, s_kv]``); and ``tanh(s / softcap)``
+    for the backward's chain rule (None without capping)."""
+    s = torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(s / softcap)
+        s = tanh * softcap
     if kind == BlockKind.FULL:
-        return None
+        return s, tanh
     if kind == BlockKind.CAUSAL:
-        qi = torch.arange(r0, r1, device=device).unsqueeze(1)
-        return torch.arange(sk, device=device).unsqueeze(0) <= qi
-    if mask.dim() == 2:
-        return mask[r0:r1].to(device)
-    return kernels_cuda.per_row_mask(mask[:, r0:r1], b, device)[:, None, None]
-
-
-def _capped(s: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Scores soft-capped as ``tanh(s / softcap) * softcap`` (Gemma 2), and ``tanh(s / softcap)`` for the
-    backward's chain rule (None without capping)."""
-    if softcap is None:
-        return s, None
-    t = torch.tanh(s / softcap)
-    return t * softcap, t
+        qi = torch.arange(r0, r1, device=qc.device).unsqueeze(1)
+        allowed = torch.arange(kf.shape[1], device=qc.device).unsqueeze(0) <= qi
+    elif mask.dim() == 2:
+        allowed = mask[r0:r1].to(qc.device)
+    else:
+        allowed = kernels_cuda.per_row_mask(mask[:, r0:r1], qc.shape[0], qc.device)[:, None, None]
+    return s.masked_fill(~allowed, float("-inf")), tanh
 
 
 def _math_forward(q, k, v, kind, scale, mask, softcap=None):
     acc = acc_dtype(q.dtype)
     b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     g = h // hkv
     kf, vf = k.to(acc), v.to(acc)
     out = torch.empty(b, sq, h, d, dtype=acc, device=q.device)
@@ -369,10 +366,7 @@ def _math_forward(q, k, v, kind, scale, mask, softcap=None):
     for r0 in range(0, sq, MATH_CHUNK_ROWS):
         r1 = min(sq, r0 + MATH_CHUNK_ROWS)
         qc = q[:, r0:r1].to(acc).view(b, r1 - r0, hkv, g, d)
-        s, _ = _capped(torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale, softcap)
-        allowed = _allowed(kind, mask, r0, r1, sk, q.device, b)
-        if allowed is not None:
-            s = s.masked_fill(~allowed, float("-inf"))
+        s, _ = _scores(qc, kf, scale, softcap, kind, mask, r0, r1)
         m = torch.logsumexp(s, dim=-1)  # [b, n, g, q]; -inf where the row has no key
         p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1))
         o = torch.einsum("bngqk,bknd->bqngd", p, vf)
@@ -396,10 +390,7 @@ def _math_backward(dout, q, k, v, out, lse, kind, scale, mask, delta=None, softc
         qc = q[:, r0:r1].to(acc).view(b, n, hkv, g, d)
         doc = dout[:, r0:r1].to(acc).view(b, n, hkv, g, d)
         lc = lse[:, :, r0:r1].to(acc).reshape(b, hkv, g, n)
-        s, tanh = _capped(torch.einsum("bqngd,bknd->bngqk", qc, kf) * scale, softcap)
-        allowed = _allowed(kind, mask, r0, r1, sk, q.device, b)
-        if allowed is not None:
-            s = s.masked_fill(~allowed, float("-inf"))
+        s, tanh = _scores(qc, kf, scale, softcap, kind, mask, r0, r1)
         p = torch.exp(s - torch.where(torch.isinf(lc), 0.0, lc).unsqueeze(-1))
         dv += torch.einsum("bngqk,bqngd->bknd", p, doc)
         dp = torch.einsum("bqngd,bknd->bngqk", doc, vf)
@@ -475,11 +466,13 @@ def _run_forward(path, q, k, v, kind, scale, mask, expand, softcap=None):
 
 def _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, expand, delta=None, softcap=None):
     groups = _expands(path, q, k, expand)
-    args = (dout, q, expand_kv(k, groups), expand_kv(v, groups), out, lse, kind, scale, _mask_for(path, mask))
     extra = _check_softcap(path, softcap)
     if delta is not None and path in DELTA_PATHS:
         extra["delta"] = delta
-    dq, dk, dv = _BACKWARD[path](*args, **extra)
+    elif out is None:  # a fused path gets a stand-in out for delta; math takes delta as is
+        out = out_for_delta(dout, delta)
+    dq, dk, dv = _BACKWARD[path](dout, q, expand_kv(k, groups), expand_kv(v, groups), out, lse, kind, scale,
+                                 _mask_for(path, mask), **extra)
     acc = acc_dtype(q.dtype)
     return dq.to(acc), reduce_kv_grad(dk, groups).to(acc), reduce_kv_grad(dv, groups).to(acc)
 
@@ -559,12 +552,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     in the accumulation dtype."""
     if out is None and delta is None:
         raise ValueError("backward needs the row's final out, or its delta = rowsum(dout * out)")
-
-    def run(path: str):  # a fused path gets a stand-in out for delta; math takes delta as is
-        o, d = (out_for_delta(dout, delta), None) if out is None and path not in DELTA_PATHS else (out, delta)
-        return _run_backward(path, dout, q, k, v, o, lse, kind, scale, mask, None, d, softcap)
-
-    return _call("backward", q, k, kind, mask, backend, softcap, None, run)
+    return _call("backward", q, k, kind, mask, backend, softcap, None,
+                 lambda path: _run_backward(path, dout, q, k, v, out, lse, kind, scale, mask, None, delta, softcap))
 
 
 def forward_stacked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind, scale: float, pieces: int,

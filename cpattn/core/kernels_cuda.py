@@ -78,13 +78,10 @@ def _rng_placeholders(op: str, device: torch.device) -> tuple[torch.Tensor, torc
     """(seed, offset) as a forward call of ``op`` on ``device`` returns them (used only with dropout)."""
     x = torch.zeros(1, 1, 8, 16, dtype=torch.float16, device=device)
     if op == "flash":
-        res = _aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
-        return res[6], res[7]
+        return _aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)[6:8]
     if op == "efficient":
-        res = _aten._scaled_dot_product_efficient_attention(x, x, x, None, True, 0.0, False)
-        return res[2], res[3]
-    res = _aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
-    return res[6], res[7]
+        return _aten._scaled_dot_product_efficient_attention(x, x, x, None, True, 0.0, False)[2:4]
+    return _aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)[6:8]
 
 
 # ------------------------------------------------------------------------------ aten flash (CUDA)
@@ -328,13 +325,11 @@ def flex_fused_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bo
     operator (:func:`flex_backward_op`), with no second forward: its ``dS = P (dP - rowsum(dout * out))``
     with ``P = exp(s - lse)`` is the kernel contract's gradient for any ``lse``, the block's own or the
     row's. ``compiled=False`` runs its eager (unfused) form, which the CPU tests check."""
-    from torch.nn.attention.flex_attention import AuxRequest, _apply_kernel_options, _identity
+    from torch.nn.attention.flex_attention import AuxRequest, _apply_kernel_options, _create_empty_block_mask, _identity
 
     qt, kt, vt, ot, dt = _bhsd(q, k, v, out.to(q.dtype), dout.to(q.dtype))
     _, block_mask = _flex_mask(q, k, kind, mask)
     if block_mask is None:  # a FULL block: every tile full
-        from torch.nn.attention.flex_attention import _create_empty_block_mask
-
         block_mask = _create_empty_block_mask(qt, kt)
     options = _apply_kernel_options(qt, kt, vt, True, {"BACKEND": "TRITON"}, AuxRequest(lse=True))
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -355,10 +350,9 @@ def flex_backward(dout, q, k, v, out, lse, kind, scale, mask, compiled: bool = T
     else:
         dq, dk, dv = grads_through_block(lambda a, b, c: flex_block(a, b, c, mask, scale, compiled, kind, softcap),
                                          dout, q, k, v, out, lse)
-    if kind != BlockKind.PARTIAL:
-        return dq, dk, dv
-    empty, _ = _flex_mask(q, k, kind, mask)
-    return dq.masked_fill(empty[..., None, None], 0.0), dk, dv
+    if kind == BlockKind.PARTIAL:  # rows with no allowed key: dq 0 whatever the kernel leaves there
+        dq = dq.masked_fill(_flex_mask(q, k, kind, mask)[0][..., None, None], 0.0)
+    return dq, dk, dv
 
 
 def grads_through_block(block: Callable, dout, q, k, v, out, lse):
@@ -376,8 +370,7 @@ def grads_through_block(block: Callable, dout, q, k, v, out, lse):
         final = lse.to(acc)
         w = torch.exp(lse_b.detach().to(acc) - final.masked_fill(torch.isinf(final), 0.0))
         w = w.masked_fill(torch.isinf(final), 0.0).transpose(1, 2).unsqueeze(-1)  # [b, s_q, h, 1]
-        do = dout.to(acc)
-        g_out = w * do
+        g_out = w * dout.to(acc)
         g_lse = (g_out * (o_b.detach().to(acc) - out.to(acc))).sum(-1).transpose(1, 2)
         return torch.autograd.grad((o_b, lse_b), (qg, kg, vg), (g_out.to(o_b.dtype), g_lse.to(lse_b.dtype)))
 

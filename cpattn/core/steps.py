@@ -93,13 +93,10 @@ def wire(op: str, nbytes: int, size: int, rank: int, root: int = 0, algorithm: s
         raise ValueError(f"algorithm={algorithm!r} for {op}: expected 'ring' or 'tree' (resolve 'auto' first)")
     if p < 1 or not 0 <= rank < p or not 0 <= root < p:
         raise ValueError(f"rank={rank} and root={root} must lie in a group of size={size}")
-    if op in ("send", "recv", "all_gather", "reduce_scatter", "all_to_all") or \
-            (op == "all_reduce" and algorithm == "ring"):
-        return payload(op, n, p, rank, root)[0]
+    if op not in TREE_OPS or (op == "all_reduce" and algorithm == "ring"):
+        return payload(op, n, p, rank, root)[0]  # which also rejects an unknown op
     if p == 1:
-        if op in TREE_OPS:
-            return 0
-        raise ValueError(f"op={op!r} is unknown to the accounting")
+        return 0
     v = (rank - root) % p
     if op == "reduce":
         return 0 if v == 0 else n
@@ -110,11 +107,8 @@ def wire(op: str, nbytes: int, size: int, rank: int, root: int = 0, algorithm: s
         if v == 0:
             return n
         return sum(h * c for h, c in zip(halves, _double_tree_children(v - 1, p - 1)))
-    if op == "all_reduce":
-        tops = (0, p - 1 if p % 2 == 0 else 1)
-        return sum(h * (c + (rank != top))
-                   for h, c, top in zip(halves, _double_tree_children(rank, p), tops))
-    raise ValueError(f"op={op!r} is unknown to the accounting")
+    tops = (0, p - 1 if p % 2 == 0 else 1)  # all_reduce
+    return sum(h * (c + (rank != top)) for h, c, top in zip(halves, _double_tree_children(rank, p), tops))
 
 
 def _tree_children(i: int, m: int) -> int:
@@ -139,7 +133,8 @@ def _double_tree_children(i: int, m: int) -> tuple[int, int]:
 def attention_flops(batch: int, heads: int, head_dim: int, pairs: float, phase: str = "forward") -> float:
     """The one FLOP count: ``4 b h d`` per attending (query, key) pair forward, 2.5x that backward
     (docs/bench.md); ``phase`` may be "forward+backward"."""
-    return 4.0 * batch * heads * head_dim * pairs * sum(_phase_factor(p) for p in split_phase(phase))
+    factor = sum(1.0 if p == "forward" else BACKWARD_FLOP_RATIO for p in split_phase(phase))
+    return 4.0 * batch * heads * head_dim * pairs * factor
 
 
 #: communication ops a step may issue (``sendrecv`` is one batched send plus one receive)
@@ -260,10 +255,6 @@ def split_phase(phase: str) -> tuple[str, ...]:
     return phases
 
 
-def _phase_factor(phase: str) -> float:
-    return 1.0 if phase == "forward" else BACKWARD_FLOP_RATIO
-
-
 @dataclass(frozen=True, order=True)
 class Kernel:
     """One local kernel call: ``q_len`` query rows against ``kv_len`` key rows of kind ``kind``
@@ -372,7 +363,6 @@ class CommOp:
         ``Communicator.stats()`` in a group of ``size`` ranks (:func:`payload`)."""
         kinds = ("send", "recv") if self.op == "sendrecv" else (self.op,)
         return {k: (1, *payload(k, self.bytes, size, rank, self.root)) for k in kinds}
-
 
 
 def group_size(group: str, world: int, topology=None) -> int:
@@ -547,8 +537,7 @@ def sources(step: Step) -> tuple[Hashable, ...]:
 
 def distribution(works) -> tuple[tuple[Work, int], ...]:
     """``((Work, ranks), ...)`` from an iterable of per-rank :data:`Work` (sorted, merged)."""
-    counts: Counter[Work] = Counter(works)
-    return tuple(sorted(counts.items()))
+    return tuple(sorted(Counter(works).items()))
 
 
 __all__ = ["Action", "Add", "Attend", "AttendBack", "BACKWARD_FLOP_RATIO", "COMM_OPS", "CommOp", "DTYPE_BYTES",

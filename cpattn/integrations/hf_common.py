@@ -246,7 +246,7 @@ def packed(cp: ContextParallel, batch: dict, pad_id: int = 0) -> tuple[ContextPa
                            use_cache=False).logits
             hf.causal_lm_loss(logits, batch["labels"], view).backward()
     """
-    base = cp._base or cp
+    base = cp.base
     ids, pos = batch.get("input_ids"), batch.get("position_ids")
     if not isinstance(ids, torch.Tensor) or not isinstance(pos, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 \
             or pos.shape != ids.shape:

@@ -106,15 +106,13 @@ class _Step:
 
     def attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scaling: float | None, kwargs: dict) -> torch.Tensor:
-        layer = module.layer_idx
-        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-        sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-        q = query.transpose(1, 2)
+        layer, q = module.layer_idx, query.transpose(1, 2)
+        options = {"window": kwargs.get("sliding_window"), "sinks": kwargs.get("s_aux", kwargs.get("sinks")),
+                   "softcap": kwargs.get("softcap")}
         if self.cp is None:  # decoding: one new token per row, replicated
-            return self.kv.decode_attention(layer, q, scaling, window=window, sinks=sinks, softcap=softcap)
+            return self.kv.decode_attention(layer, q, scaling, **options)
         cp = hf_common.layer_context(self.cp, module, kwargs)
-        return self.kv.extend_attention(layer, cp, q, key.transpose(1, 2), value.transpose(1, 2), scaling,
-                                        window=window, sinks=sinks, softcap=softcap)
+        return self.kv.extend_attention(layer, cp, q, key.transpose(1, 2), value.transpose(1, 2), scaling, **options)
 
 
 @contextlib.contextmanager
@@ -151,10 +149,9 @@ def _row_lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
     return lengths.tolist()
 
 
-def _chunk_context(cp: ContextParallel, lengths: list[int]) -> ContextParallel:
-    """The ContextParallel that shards a packed chunk of ``lengths`` tokens (one document per row): ``cp``
-    itself, or its view, when its length fits; else one with ``cp``'s group, schedule and settings."""
-    base = cp._base or cp
+def _chunk_context(base: ContextParallel, lengths: list[int]) -> ContextParallel:
+    """The ContextParallel that shards a packed chunk of ``lengths`` tokens (one document per row): ``base``
+    itself, or its view, when its length fits; else one with ``base``'s group, schedule and settings."""
     total = sum(lengths)
     mask = base.mask if len(lengths) == 1 else document_mask(lengths)
     if base.seq_len == total:
@@ -198,7 +195,7 @@ class _Generation:
 
     def __init__(self, model, input_ids: torch.Tensor, cp: ContextParallel, kwargs: dict) -> None:
         self.model, self.input_ids = model, input_ids
-        self.base = cp._base or cp if isinstance(cp, ContextParallel) else cp
+        self.base = cp.base if isinstance(cp, ContextParallel) else cp
         self.kwargs = dict(kwargs)
 
     def check(self) -> None:
@@ -221,7 +218,7 @@ class _Generation:
         self.attention_mask = kwargs.pop("attention_mask", None)
         self.cache = kwargs.pop("past_key_values", None)
         self.seed = kwargs.pop("seed", None)
-        merge, extend = kwargs.pop("merge", "auto"), kwargs.pop("extend", "auto")
+        self.cache_options = {"merge": kwargs.pop("merge", "auto"), "extend": kwargs.pop("extend", "auto")}
         self.processors = kwargs.pop("logits_processor", None) or LogitsProcessorList()
         self.criteria = kwargs.pop("stopping_criteria", None) or StoppingCriteriaList()
         self.lengths = _row_lengths(input_ids, self.attention_mask)
@@ -231,7 +228,6 @@ class _Generation:
         self.config = _generation_config(model, kwargs)
         if self.cache is None:
             self.cached = [0] * rows
-            self.merge_extend = (merge, extend)
         else:
             if not isinstance(self.cache, ShardedCache):
                 raise TypeError("hf.generate: past_key_values must be the cache an earlier hf.generate returned "
@@ -333,23 +329,22 @@ class _Generation:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         total = sum(self.lengths) + self.input_ids.shape[0] * (self.config.max_length - self.input_ids.shape[1])
-        merge, extend = self.merge_extend
         kv = KVCache(cp, text.num_hidden_layers, kv_heads, head_dim, rows=self.input_ids.shape[0], dtype=model.dtype,
-                     device=self.input_ids.device, capacity=math.ceil(total / cp.world_size) + 1, merge=merge,
-                     extend=extend)
+                     device=self.input_ids.device, capacity=math.ceil(total / cp.world_size) + 1, **self.cache_options)
         return ShardedCache(kv)
 
     def _prefill(self, comm) -> tuple[torch.Tensor, ShardedCache, ContextParallel]:
         """The prompt tokens the cache does not hold, sharded; returns each row's next-token logits (float32,
         every rank), the cache and the chunk's ContextParallel."""
-        input_ids, rows = self.input_ids, self.input_ids.shape[0]
-        n = input_ids.shape[1]
+        input_ids = self.input_ids
+        rows, n = input_ids.shape
         new = [input_ids[b, n - length + held:] for b, (length, held) in enumerate(zip(self.lengths, self.cached))]
-        cp = _chunk_context(self.base, [t.numel() for t in new])
+        new_lengths = [t.numel() for t in new]
+        cp = _chunk_context(self.base, new_lengths)
         cache = self.cache if self.cache is not None else self._new_cache(cp)
         kv = cache.kv
         fresh = max(kv.tokens_per_rank()) == 0
-        placement = kv.place_prompt(cp, [t.numel() for t in new])
+        placement = kv.place_prompt(cp, new_lengths)
         local_ids = cp.shard(torch.cat(new)[None], dim=1)
         ends = torch.tensor(kv.row_lengths())
         real = placement.rows >= 0

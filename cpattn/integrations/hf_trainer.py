@@ -142,8 +142,7 @@ class Trainer(transformers.Trainer):
         if isinstance(loader, DataLoaderDispatcher):
             raise NotImplementedError("hf.Trainer: batches dispatched from the main process are split over every "
                                       "rank; pass accelerator_config={'dispatch_batches': False}")
-        shards = [s for s in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None),
-                              getattr(loader, "dataset", None))
+        shards = [s for s in (getattr(loader, name, None) for name in ("batch_sampler", "sampler", "dataset"))
                   if isinstance(s, (BatchSamplerShard, IterableDatasetShard))]
         if not shards:
             raise NotImplementedError(f"hf.Trainer cannot share the batches of {type(loader).__name__} "

@@ -205,7 +205,7 @@ def rank_prepare(settings: dict) -> int:
         comm.barrier()
         t0 = time.perf_counter()
         fn()  # warm-up
-        need.append(math.ceil(s.min_sample / max(time.perf_counter() - t0, 1e-9)) if s.min_sample > 0 else 1)
+        need.append(math.ceil(s.min_sample / max(time.perf_counter() - t0, 1e-9)))
     agreed = torch.tensor(need, dtype=torch.float64)
     comm.all_reduce(agreed, op="max")
     repeat = {key: max(1, int(c)) for key, c in zip(calls, agreed.tolist(), strict=True)}

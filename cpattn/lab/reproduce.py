@@ -58,14 +58,12 @@ def ringx_variants(mask: str) -> list[str]:
     """The registered RingX variants (``ringx*``) that run ``mask``, in registry order."""
     m = resolve(mask)
     out = []
-    for name in schedules.names():
-        if not name.startswith("ringx"):
-            continue
+    for name in [n for n in schedules.names() if n.startswith("ringx")]:
         try:
             schedules.get(name).check_mask(m)
+            out.append(name)
         except (ValueError, NotImplementedError):
-            continue
-        out.append(name)
+            pass
     return out
 
 
@@ -140,12 +138,6 @@ def estimate_case(problem: Problem, topology: Topology, names: Iterable[str | ob
 
 
 # ----------------------------------------------------------------------------------------------- RingX
-def ringx_problem(mask: str, gcds: int, batch: int, tokens_per_gcd: int, heads: int = 32, kv_heads: int = 32,
-                  head_dim: int = 128, dtype: str = "bfloat16") -> Problem:
-    """The problem of one grid point: ``tokens_per_gcd x gcds`` global tokens (weak scaling)."""
-    return Problem(tokens_per_gcd * gcds, gcds, mask, batch, heads, kv_heads, head_dim, dtype)
-
-
 def ringx_topology(gcds: int, algorithm: str = RINGX_ALGORITHM) -> Topology:
     return preset(RINGX_TOPOLOGY, gcds, algorithm=algorithm)
 
@@ -161,8 +153,9 @@ def ringx_case(mask: str, gcds: int, batch: int, tokens_per_gcd: int, heads: int
                head_dim: int = 128, dtype: str = "bfloat16", algorithm: str = RINGX_ALGORITHM,
                phase: str = "forward+backward", context: bool = True) -> Case:
     """``ring``, every RingX variant for ``mask`` (and the balanced rings for causal masks when
-    ``context``) at one grid point on the RingX preset with collective ``algorithm``."""
-    problem = ringx_problem(mask, gcds, batch, tokens_per_gcd, heads, kv_heads, head_dim, dtype)
+    ``context``) at one grid point on the RingX preset with collective ``algorithm``: ``tokens_per_gcd x
+    gcds`` global tokens (weak scaling)."""
+    problem = Problem(tokens_per_gcd * gcds, gcds, mask, batch, heads, kv_heads, head_dim, dtype)
     return estimate_case(problem, ringx_topology(gcds, algorithm), ringx_schedules(mask, context), phase)
 
 
@@ -334,8 +327,8 @@ class UltraSpeedup:
     vs_any: float | None
 
 
-def ultra_speedup(pattern: str, case: Case, ring_family: Iterable[str] = ULTRA_RING_FAMILY) -> UltraSpeedup:
-    ring = case.fastest(ring_family, fitting=False)
+def ultra_speedup(pattern: str, case: Case) -> UltraSpeedup:
+    ring = case.fastest(ULTRA_RING_FAMILY, fitting=False)
     anyb = case.fastest([n for n in case.estimates if n != "ultra"], fitting=False)
     p = case.problem
     return UltraSpeedup(pattern, p.seq_len, p.world, p.heads, case.total("ultra"), ring, case.speedup("ultra", ring),
@@ -360,6 +353,5 @@ def ultra_averages(rows: Iterable[UltraSpeedup]) -> list[dict]:
 
 
 __all__ = ["RINGX_CLAIM", "ULTRA_CLAIM", "BandwidthGap", "Case", "UltraSpeedup", "estimate_case",
-           "ring_bandwidth_for_speedup", "ring_bandwidth_gaps", "ringx_case", "ringx_problem", "ringx_schedules",
-           "ringx_topology", "ringx_variants", "scale_links", "ultra_averages", "ultra_case", "ultra_pattern",
-           "ultra_speedup"]
+           "ring_bandwidth_for_speedup", "ring_bandwidth_gaps", "ringx_case", "ringx_schedules", "ringx_topology",
+           "ringx_variants", "scale_links", "ultra_averages", "ultra_case", "ultra_pattern", "ultra_speedup"]
