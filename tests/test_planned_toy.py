@@ -87,3 +87,16 @@ def test_every_registered_schedule_has_a_functional_entry_point():
                                                            is_causal=True).transpose(1, 2)
     for name in ("usp_attn_func", "ultra_attn_func"):
         assert torch.allclose(getattr(cpattn, name)(q, k, v, causal=True), ref, atol=1e-10), name
+
+
+def test_a_time_budget_reaches_a_schedule_that_plans_by_its_hooks_not_its_name():
+    from cpattn.cli.args import planned_schedule
+
+    assert planned_schedule("ring", 2.0) == "ring"  # plans nothing
+    assert planned_schedule("ultra", None) == "ultra"  # no budget given: the planner's own
+    assert planned_schedule("ultra", 2.0).plan_options.time_budget == 2.0
+    remove = planned_toy.registered()
+    try:  # plans, but takes no plan options: left as it is
+        assert planned_schedule(planned_toy.NAME, 2.0) == planned_toy.NAME
+    finally:
+        remove()

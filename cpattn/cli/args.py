@@ -184,14 +184,17 @@ def device_counts(topology: TopologyArg | None, given: list[int] | None, default
 
 # ----------------------------------------------------------------------------------- schedules
 def planned_schedule(name: str, time_budget: float | None):
-    """The schedule ``name`` to estimate: ``ultra`` with ``--time-budget`` (seconds of its planner's solves
-    per plan) when given, else the name."""
-    if name != "ultra" or time_budget is None:
+    """The schedule ``name`` to estimate: one that plans and takes ``plan_options`` (``ultra``) with
+    ``--time-budget`` (seconds of its planner's solves per plan) when given, else the name."""
+    if time_budget is None:
         return name
     from .. import schedules
     from ..planner import PlanOptions
 
-    return schedules.get("ultra", plan_options=PlanOptions(time_budget=time_budget))
+    made = schedules.get(name)
+    if made.make_plan is None or not hasattr(made, "plan_options"):
+        return name
+    return schedules.get(name, plan_options=PlanOptions(time_budget=time_budget))
 
 
 # ----------------------------------------------------------------------------------- dtypes, profiles
