@@ -141,7 +141,8 @@ class ContextParallel:
     a 2-D mesh, inter-node x intra-node, gives two-level collectives; without torch.distributed, one
     rank). ``topology``: a :class:`cpattn.cost.Topology` for ``"auto"`` and the two-level schedules
     (None: a 2-D mesh's shape, else one node). ``backend``: local kernels, ``"auto"``, ``"aten"``,
-    ``"flash_attn"`` or ``"math"`` (FlexAttention runs masked blocks on CUDA under the first three).
+    ``"flash_attn"``, ``"flash_attn3"``, ``"flash_attn4"`` (FlashAttention-2, -3, -4 where installed) or
+    ``"math"`` (FlexAttention runs masked blocks on CUDA under all but ``"math"``).
     ``layout``: None (the schedule's own; for a document mask on ``ring``, ``allgather``, ``ringx3``,
     ``ringx3b`` and ``usp``, the balanced layout below whenever it needs no more padding),
     ``"balanced"`` (an explicit layout that evens out the mask's work per rank,

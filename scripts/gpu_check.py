@@ -7,7 +7,7 @@ and one that runs out records the cases it had no time for as ``{"skipped": why}
 written after every section, so a run cut short keeps what it did. Sections, in the order they run:
 
 1. ``exactness`` (20%): every available kernel path (flash_cuda, cudnn_cuda, efficient_cuda, flex_cuda,
-   flash_attn, math) x block kind (FULL, CAUSAL, PARTIAL where the path takes it) x dtype (float16,
+   flash_attn, flash_attn3, flash_attn4, math) x block kind (FULL, CAUSAL, PARTIAL where the path takes it) x dtype (float16,
    bfloat16, float32 where the path takes it) x GQA (1, 4), forward and backward, against a float64
    reference computed on the GPU in plain torch (``cpattn.verify.reference``). Tolerance
    (docs/testing.md): relative error <= 2 * e_local + 1e-6 per quantity, where e_local is the error of
@@ -417,7 +417,7 @@ def exactness(device: torch.device, deadline: float, quick: bool = False) -> lis
     results = []
     if _is_cuda(dev):
         # Flex last: its cases compile Triton kernels, the slowest part of the section
-        paths = ["flash_cuda", "cudnn_cuda", "efficient_cuda", "flash_attn", "math", "flex_cuda"]
+        paths = ["flash_cuda", "cudnn_cuda", "efficient_cuda", *kernels.PACKAGE_BACKENDS, "math", "flex_cuda"]
         dtypes = [torch.bfloat16, torch.float32] if quick else [torch.float16, torch.bfloat16, torch.float32]
     else:
         paths, dtypes = ["flash_cpu", "math"], [torch.bfloat16, torch.float32]
@@ -614,7 +614,8 @@ def bench(device: torch.device, deadline: float, seqs: list[int], reps: int) -> 
     b, h, hkv, d, dtype, scale = 1, 32, 8, 128, torch.bfloat16, 128 ** -0.5
     if not _is_cuda(device):
         h, hkv, d, scale, seqs = 8, 2, 32, 32 ** -0.5, [256]
-    fused = [p for p in ("flash_cuda", "cudnn_cuda", "efficient_cuda", "flash_attn", "flex_cuda", "flash_cpu")
+    fused = [p for p in ("flash_cuda", "cudnn_cuda", "efficient_cuda", *kernels.PACKAGE_BACKENDS, "flex_cuda",
+                       "flash_cpu")
              if p in available]
     rows = []
     for s in seqs:

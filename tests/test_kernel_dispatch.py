@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float6
 CPU = frozenset({"flash_cpu", "math"})
 GPU = frozenset({"flash_cuda", "cudnn_cuda", "efficient_cuda", "flex_cuda", "math"})
 GPU_FA = GPU | {"flash_attn"}
+GPU_FA34 = GPU | {"flash_attn3", "flash_attn4"}
 NO_FLASH = GPU - {"flash_cuda"}
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +61,14 @@ TABLE = [
     ("cuda", F32, 128, FULL, GPU_FA, "flash_attn", "efficient_cuda"),  # does not fit: the aten order
     ("cuda", BF16, 12, FULL, GPU_FA, "flash_attn", "math"),
     ("cuda", BF16, 64, PARTIAL, GPU_FA, "flash_attn", "flex_cuda"),
+    ("cuda", BF16, 128, CAUSAL, GPU_FA34, "flash_attn3", "flash_attn3"),
+    ("cuda", F16, 256, FULL, GPU_FA34, "flash_attn3", "flash_attn3"),
+    ("cuda", BF16, 128, FULL, GPU_FA34, "flash_attn4", "flash_attn4"),
+    ("cuda", BF16, 128, FULL, GPU_FA34, "auto", "flash_cuda"),  # no measured row orders them yet: pinned only
+    ("cuda", BF16, 256, FULL, GPU_FA34, "flash_attn4", "flash_cuda"),  # FA4 has no d=256: the aten order
+    ("cuda", F32, 64, CAUSAL, GPU_FA34, "flash_attn3", "efficient_cuda"),  # half precision only
+    ("cuda", BF16, 64, PARTIAL, GPU_FA34, "flash_attn4", "flex_cuda"),
+    ("cpu", BF16, 64, FULL, CPU | {"flash_attn3"}, "flash_attn3", "flash_cpu"),
     ("mps", F32, 64, FULL, frozenset({"math"}), "auto", "math"),
     ("cuda", BF16, 128, FULL, frozenset({"math"}), "auto", "math"),
 ]
@@ -81,6 +91,8 @@ def test_every_path_is_reachable_and_named():
     ("cuda", BF16, 12, frozenset({"math"}), "aten", ValueError, "backend='aten'"),
     ("mps", F32, 64, frozenset({"math"}), "aten", ValueError, "does not run on device 'mps'"),
     ("cuda", BF16, 128, GPU, "flash_attn", ImportError, "flash_attn package"),
+    ("cuda", BF16, 128, GPU_FA, "flash_attn3", ImportError, "FlashAttention-3"),
+    ("cuda", BF16, 128, GPU_FA, "flash_attn4", ImportError, "FlashAttention-4"),
     ("cuda", BF16, 128, GPU, "cudnn", ValueError, "unknown"),
     ("cuda", BF16, 128, GPU, "flex", NotImplementedError, "PARTIAL blocks"),
 ])
@@ -379,6 +391,98 @@ def test_flash_attn_call_follows_the_signature():
 
     with pytest.raises(TypeError, match="new_argument"):
         kernels_cuda.flash_attn_call(v99, values)
+
+
+def _fake_attend(q, k, v, scale, causal):
+    """Float64 attention of ``[b, s, h, d]`` tensors (GQA by repeating k/v heads): ``(out, lse [b, h, s])``."""
+    g = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, 2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v.repeat_interleave(g, 2)), s.logsumexp(-1)
+
+
+def _fake_grads(dout, q, k, v, scale, causal):
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out, _ = _fake_attend(*leaves, scale, causal)
+    return [g.to(q.dtype) for g in torch.autograd.grad(out, leaves, dout.double())]
+
+
+def _fake_flash_attn3():
+    """A module with FlashAttention-3's ``_flash_attn_forward`` / ``_flash_attn_backward`` signatures."""
+    mod = types.ModuleType("flash_attn_interface")
+
+    def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None,
+                            cu_seqlens_k=None, cu_seqlens_k_new=None, seqused_q=None, seqused_k=None,
+                            max_seqlen_q=None, max_seqlen_k=None, page_table=None, kv_batch_idx=None, leftpad_k=None,
+                            rotary_cos=None, rotary_sin=None, seqlens_rotary=None, q_descale=None, k_descale=None,
+                            v_descale=None, softmax_scale=None, causal=False, window_size_left=-1,
+                            window_size_right=-1, attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
+        out, lse = _fake_attend(q.double(), k.double(), v.double(), softmax_scale, causal)
+        return out.to(q.dtype), lse.float(), torch.empty(0), torch.empty(0)
+
+    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None,
+                             sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None,
+                             softmax_scale=None, is_causal=False, window_size_left=-1, window_size_right=-1,
+                             softcap=0.0, deterministic=False, sm_margin=0):
+        for buf, g in zip((dq, dk, dv), _fake_grads(dout, q, k, v, softmax_scale, is_causal)):
+            buf.copy_(g)
+        return torch.empty(0)
+
+    mod._flash_attn_forward, mod._flash_attn_backward = _flash_attn_forward, _flash_attn_backward
+    return mod
+
+
+def _fake_flash_attn4():
+    """A module with FlashAttention-4's ``_flash_attn_fwd`` / ``_flash_attn_bwd`` signatures."""
+    mod = types.ModuleType("flash_attn.cute.interface")
+
+    def _flash_attn_fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                        page_table=None, softmax_scale=None, causal=False, softcap=None, window_size_left=None,
+                        window_size_right=None, learnable_sink=None, m_block_size=128, n_block_size=128,
+                        num_threads=384, num_splits=1, pack_gqa=None, return_lse=False, out=None, lse=None):
+        o, lse = _fake_attend(q.double(), k.double(), v.double(), softmax_scale, causal)
+        return o.to(q.dtype), lse.float() if return_lse else None
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, m_block_size=64,
+                        n_block_size=128, num_threads=256, pack_gqa=False, cu_seqlens_q=None, cu_seqlens_k=None,
+                        seqused_q=None, seqused_k=None):
+        return tuple(_fake_grads(dout, q, k, v, softmax_scale, causal))
+
+    mod._flash_attn_fwd, mod._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    return mod
+
+
+@pytest.mark.parametrize("path,module,fake", [("flash_attn3", "flash_attn_interface", _fake_flash_attn3),
+                                              ("flash_attn4", "flash_attn.cute.interface", _fake_flash_attn4)])
+@pytest.mark.parametrize("kind", [FULL, CAUSAL])
+def test_flash_attention_3_and_4_wrappers_against_modules_of_their_signature(monkeypatch, path, module, fake, kind):
+    """The wrappers call the packages' functions by their parameter names and read out and lse from what
+    they return: with a stand-in of the same signature, forward and backward match the math path."""
+    monkeypatch.setitem(sys.modules, module, fake())
+    assert kernels_cuda.FLASH_ATTN_MODULES[path] == module
+    gen = torch.Generator().manual_seed(3)
+    b, s, h, hkv, d = 2, 24, 4, 2, 16
+    q, dout = (torch.randn(b, s, h, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, s, hkv, d, generator=gen) for _ in range(2))
+    out, lse = kernels.forward_with(path, q, k, v, kind, 0.3)
+    ref_out, ref_lse = kernels.forward_with("math", q, k, v, kind, 0.3)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    grads = kernels.backward_with(path, dout, q, k, v, out, lse, kind, 0.3)
+    for got, want in zip(grads, kernels.backward_with("math", dout, q, k, v, ref_out, ref_lse, kind, 0.3)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_forward_that_returns_no_lse_is_an_error_naming_the_path(monkeypatch):
+    mod = _fake_flash_attn4()
+    mod._flash_attn_fwd = lambda q, k, v, softmax_scale=None, causal=False: (q, None)  # an older release
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", mod)
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(RuntimeError, match="flash_attn4: its forward returned no"):
+        kernels.forward_with("flash_attn4", q, q, q, FULL, 0.25)
 
 
 # ------------------------------------------------------------------------------------ the GPU script

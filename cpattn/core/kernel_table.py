@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: the fused FULL/CAUSAL paths a row may order (``flash_attn`` runs only when asked for, ``backend=``)
-ORDERED_PATHS = frozenset({"flash_cuda", "cudnn_cuda", "efficient_cuda"})
+#: the fused FULL/CAUSAL paths a row may order (``flash_attn`` runs only when asked for, ``backend=``;
+#: FlashAttention-3 and -4 where a row measured them faster: none has yet, so they run only when pinned)
+ORDERED_PATHS = frozenset({"flash_cuda", "cudnn_cuda", "efficient_cuda", "flash_attn3", "flash_attn4"})
 
 
 @dataclass(frozen=True)

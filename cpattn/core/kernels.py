@@ -31,7 +31,8 @@ Each call runs one named *kernel path* (:data:`PATHS`), chosen by the pure funct
   with an additive mask (0 / -inf; a row with no allowed key gets lse -inf as the contract says);
 - ``flash_cuda``, ``cudnn_cuda``, ``efficient_cuda``: PyTorch's fused CUDA ops, FULL and CAUSAL;
 - ``flex_cuda``: FlexAttention with a block mask, PARTIAL blocks on CUDA;
-- ``flash_attn``: the optional flash-attn package (``backend="flash_attn"``), FULL and CAUSAL on CUDA;
+- ``flash_attn``, ``flash_attn3``, ``flash_attn4``: the optional FlashAttention-2, -3 and -4 packages, FULL and
+  CAUSAL on CUDA, when pinned (``backend=`` the same name) or ordered by a measured kernel-table row;
 - ``math``: plain torch, chunked over queries so memory stays bounded; float64, low-precision PARTIAL
   blocks off CUDA, and whatever no fused kernel fits. It is also the reference-quality path.
 
@@ -57,13 +58,16 @@ from . import kernel_table, kernels_cuda, trace
 from .flex_masks import Region
 from .masks import BlockKind, CausalMask, FullMask
 
-BACKENDS = ("auto", "aten", "flash_attn", "math")
+BACKENDS = ("auto", "aten", "flash_attn", "flash_attn3", "flash_attn4", "math")
+#: backends that pin an optional package's kernel: FlashAttention-2, -3 (``flash_attn_interface``), -4
+#: (``flash_attn.cute``); each is also the name of its kernel path
+PACKAGE_BACKENDS = ("flash_attn", "flash_attn3", "flash_attn4")
 #: every kernel path :func:`choose_kernel` can return
-PATHS = ("flash_cpu", "flash_cuda", "cudnn_cuda", "efficient_cuda", "flex_cuda", "flash_attn", "math")
+PATHS = ("flash_cpu", "flash_cuda", "cudnn_cuda", "efficient_cuda", "flex_cuda", *PACKAGE_BACKENDS, "math")
 #: paths whose backward takes ``delta = rowsum(dout * out)`` in place of ``out``
 DELTA_PATHS = frozenset({"math"})
 #: paths whose op takes fewer key/value heads than query heads; the others get expanded heads
-NATIVE_GQA = frozenset({"flash_cpu", "flash_cuda", "flex_cuda", "flash_attn", "math"})
+NATIVE_GQA = frozenset({"flash_cpu", "flash_cuda", "flex_cuda", *PACKAGE_BACKENDS, "math"})
 #: the one dtype table: name -> torch dtype of every supported q/k/v dtype (float64: CPU reference work)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 SUPPORTED_DTYPES = tuple(DTYPES.values())
@@ -104,22 +108,36 @@ def _check_backend_name(backend: str) -> None:
     if backend == "flex":
         raise NotImplementedError(
             "backend='flex' is not a separate choice: FlexAttention already runs PARTIAL blocks on CUDA "
-            f"under 'auto', 'aten' and 'flash_attn'; accepted: {', '.join(BACKENDS)}")
+            f"under every other backend; accepted: {', '.join(BACKENDS)}")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; accepted: {', '.join(BACKENDS)}")
 
 
+#: what each package backend needs: its package and the GPUs it runs on
+_PACKAGE_NEEDS = {"flash_attn": "the flash_attn package (pip install flash-attn)",
+                  "flash_attn3": "FlashAttention-3 (the flash_attn_interface module, built for Hopper GPUs)",
+                  "flash_attn4": "FlashAttention-4 (the flash-attn-4 package, flash_attn.cute; Hopper or Blackwell)"}
+
+
 def _flash_attn_missing(backend: str) -> ImportError:
-    return ImportError(f"backend={backend!r} needs the flash_attn package (pip install flash-attn), which is "
-                       "not installed; without it use 'auto', 'aten' or 'math'")
+    return ImportError(f"backend={backend!r} needs {_PACKAGE_NEEDS[backend]}, which this process does not "
+                       "have; without it use 'auto', 'aten' or 'math'")
+
+
+def _installed(backend: str) -> bool:
+    """Whether the module of package backend ``backend`` can be imported (a missing parent is missing too)."""
+    try:
+        return importlib.util.find_spec(kernels_cuda.FLASH_ATTN_MODULES[backend]) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def check_backend(backend: str) -> None:
     """Raise for a backend name this process cannot run: ValueError for an unknown name,
     NotImplementedError for ``flex`` (not a separate choice), ImportError naming the package for
-    ``flash_attn`` when flash-attn is not installed."""
+    ``flash_attn``, ``flash_attn3`` or ``flash_attn4`` when it is not installed."""
     _check_backend_name(backend)
-    if backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+    if backend in PACKAGE_BACKENDS and not _installed(backend):
         raise _flash_attn_missing(backend)
 
 
@@ -128,8 +146,10 @@ def kernel_fits(path: str, dtype: torch.dtype, head_dim: int) -> bool:
     kept conservative: a case outside them goes to the next path, in the end to ``math``)."""
     if path in ("math", "flash_cpu"):
         return True
-    if path in ("flash_cuda", "flash_attn"):  # FlashAttention-2: half precision, d <= 256, d % 8 == 0
+    if path in ("flash_cuda", "flash_attn", "flash_attn3"):  # FlashAttention-2/3: half, d <= 256, d % 8 == 0
         return dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256
+    if path == "flash_attn4":  # FlashAttention-4: half precision, the head dims it is built for
+        return dtype in _HALF and head_dim in (64, 96, 128)
     if path == "cudnn_cuda":  # cuDNN fused attention: half precision, d <= 128 on every GPU generation
         return dtype in _HALF and head_dim % 8 == 0 and head_dim <= 128
     if path == "efficient_cuda":  # memory-efficient kernel: also float32; rows aligned to 8 (half) or 4
@@ -160,12 +180,11 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
     always gets ``math``. CPU: ``flash_cpu`` for FULL and CAUSAL blocks and for float32 PARTIAL ones (an
     additive mask, :data:`CPU_FLASH_PARTIAL_DTYPES`), ``math`` for other PARTIAL ones and for bfloat16 /
     float16 blocks of fewer than :data:`CPU_FLASH_MIN_KEYS_LOW_PRECISION` keys (``kv_len``).
-    CUDA: PARTIAL blocks take ``flex_cuda`` when it fits; FULL and CAUSAL blocks take ``flash_attn``
-    when asked for and it fits, else the first path of the measured order for the GPU's ``capability``,
-    dtype and head dim (:func:`cpattn.core.kernel_table.cuda_order`; None: a GPU not measured) that is
-    available and fits; with
-    none, ``auto`` and ``flash_attn`` fall back to ``math`` while ``aten`` raises ValueError (it promised
-    a fused kernel). Other devices run ``math`` (``aten`` raises).
+    CUDA: PARTIAL blocks take ``flex_cuda`` when it fits; FULL and CAUSAL blocks take the package a
+    :data:`PACKAGE_BACKENDS` backend names when it fits, else the first path of the measured order for the
+    GPU's ``capability``, dtype and head dim (:func:`cpattn.core.kernel_table.cuda_order`; None: a GPU not
+    measured) that is available and fits; with none, ``auto`` and the package backends fall back to ``math``
+    while ``aten`` raises ValueError (it promised a fused kernel). Other devices run ``math`` (``aten`` raises).
 
     ``softcap``: the block's scores are soft-capped, which only the paths that apply a score
     modification can do: ``flex_cuda`` (its ``score_mod``) on CUDA when it fits, else ``math``, under
@@ -187,12 +206,12 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
         if backend == "aten":
             raise ValueError(f"backend='aten' does not run on device {device_type!r}; use 'math'")
         return "math"
-    if backend == "flash_attn" and "flash_attn" not in available:
+    if backend in PACKAGE_BACKENDS and backend not in available:
         raise _flash_attn_missing(backend)
     if kind == BlockKind.PARTIAL:
         return "flex_cuda" if flex else "math"
-    if backend == "flash_attn" and kernel_fits("flash_attn", dtype, head_dim):
-        return "flash_attn"
+    if backend in PACKAGE_BACKENDS and kernel_fits(backend, dtype, head_dim):
+        return backend
     for path in kernel_table.cuda_order(capability, dtype_name(dtype), head_dim):
         if path in available and kernel_fits(path, dtype, head_dim):
             return path
@@ -240,7 +259,9 @@ def _cuda_paths(index: int) -> frozenset[str]:
         "flash_cuda": ampere and torch.backends.cuda.is_flash_attention_available(),
         "cudnn_cuda": ampere and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000,
         "flex_cuda": ampere and kernels_cuda.flex_supported(),
-        "flash_attn": ampere and importlib.util.find_spec("flash_attn") is not None,
+        "flash_attn": ampere and _installed("flash_attn"),
+        "flash_attn3": major == 9 and _installed("flash_attn3"),  # built for Hopper only
+        "flash_attn4": major in (9, 10) and _installed("flash_attn4"),
     }
     return frozenset(p for p, ok in supported.items() if ok)
 
@@ -415,13 +436,15 @@ _FORWARD: dict[str, Callable] = {
     "flash_cpu": _cpu_flash_forward, "math": _math_forward,
     "flash_cuda": kernels_cuda.flash_forward, "cudnn_cuda": kernels_cuda.cudnn_forward,
     "efficient_cuda": kernels_cuda.efficient_forward, "flex_cuda": kernels_cuda.flex_forward,
-    "flash_attn": kernels_cuda.flash_attn_forward,
+    "flash_attn": kernels_cuda.flash_attn_forward, "flash_attn3": kernels_cuda.flash_attn3_forward,
+    "flash_attn4": kernels_cuda.flash_attn4_forward,
 }
 _BACKWARD: dict[str, Callable] = {
     "flash_cpu": _cpu_flash_backward, "math": _math_backward,
     "flash_cuda": kernels_cuda.flash_backward, "cudnn_cuda": kernels_cuda.cudnn_backward,
     "efficient_cuda": kernels_cuda.efficient_backward, "flex_cuda": kernels_cuda.flex_backward,
-    "flash_attn": kernels_cuda.flash_attn_backward,
+    "flash_attn": kernels_cuda.flash_attn_backward, "flash_attn3": kernels_cuda.flash_attn3_backward,
+    "flash_attn4": kernels_cuda.flash_attn4_backward,
 }
 
 

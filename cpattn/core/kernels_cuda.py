@@ -399,6 +399,62 @@ def flash_attn_backward(dout, q, k, v, out, lse, kind, scale, mask):
     return dq, dk, dv
 
 
+# ------------------------------------------------------------------------------ FlashAttention-3 / -4 packages
+#: the module each optional FlashAttention path imports its functions from
+FLASH_ATTN_MODULES = {"flash_attn": "flash_attn", "flash_attn3": "flash_attn_interface",
+                      "flash_attn4": "flash_attn.cute.interface"}
+
+
+def _out_and_lse(result, q: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` from what a FlashAttention forward returned: ``out`` the tensor shaped like the queries
+    ``[b, s_q, h, d]``, ``lse`` the ``[b, h, >= s_q]`` one (releases return them in different tuples)."""
+    b, s, h, _ = q.shape
+    tensors = [t for t in (result if isinstance(result, (tuple, list)) else (result,)) if isinstance(t, torch.Tensor)]
+    out = next((t for t in tensors if t.dim() == 4 and tuple(t.shape[:3]) == (b, s, h)), None)
+    lse = next((t for t in tensors if t.dim() == 3 and tuple(t.shape[:2]) == (b, h) and t.shape[2] >= s), None)
+    if out is None or lse is None:
+        raise RuntimeError(f"{path}: its forward returned no [b, s_q, h, d] output and [b, h, s_q] lse for "
+                           f"queries of shape {tuple(q.shape)} (got {[tuple(t.shape) for t in tensors]})")
+    return out, trim_lse(lse, s)
+
+
+def flash_attn3_forward(q, k, v, kind, scale, mask):
+    fa3 = importlib.import_module(FLASH_ATTN_MODULES["flash_attn3"])
+    with torch.no_grad():
+        res = flash_attn_call(fa3._flash_attn_forward, {"q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(),
+                                                        "softmax_scale": scale, "causal": kind == BlockKind.CAUSAL})
+    return _out_and_lse(res, q, "flash_attn3")
+
+
+def flash_attn3_backward(dout, q, k, v, out, lse, kind, scale, mask):
+    fa3 = importlib.import_module(FLASH_ATTN_MODULES["flash_attn3"])
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    causal = kind == BlockKind.CAUSAL  # the flag is ``causal`` or ``is_causal`` depending on the release
+    flash_attn_call(fa3._flash_attn_backward, {
+        "dout": dout.to(q.dtype).contiguous(), "q": q, "k": k, "v": v, "out": out.to(q.dtype).contiguous(),
+        "softmax_lse": lse.to(torch.float32).contiguous(), "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale,
+        "causal": causal, "is_causal": causal})
+    return dq, dk, dv
+
+
+def flash_attn4_forward(q, k, v, kind, scale, mask):
+    fa4 = importlib.import_module(FLASH_ATTN_MODULES["flash_attn4"])
+    with torch.no_grad():
+        res = flash_attn_call(fa4._flash_attn_fwd, {"q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(),
+                                                    "softmax_scale": scale, "causal": kind == BlockKind.CAUSAL,
+                                                    "return_lse": True})
+    return _out_and_lse(res, q, "flash_attn4")
+
+
+def flash_attn4_backward(dout, q, k, v, out, lse, kind, scale, mask):
+    fa4 = importlib.import_module(FLASH_ATTN_MODULES["flash_attn4"])
+    return flash_attn_call(fa4._flash_attn_bwd, {
+        "q": q.contiguous(), "k": k.contiguous(), "v": v.contiguous(), "out": out.to(q.dtype).contiguous(),
+        "dout": dout.to(q.dtype).contiguous(), "lse": lse.to(torch.float32).contiguous(), "softmax_scale": scale,
+        "causal": kind == BlockKind.CAUSAL})[:3]
+
+
 def flash_attn_call(fn: Callable, values: dict):
     """Call a flash-attn internal function with the arguments its signature names (they changed
     between releases: ``window_size`` became ``window_size_left`` / ``_right``, ``softcap`` appeared);

@@ -39,7 +39,7 @@ class CpattnConfig:
     """cpattn schedule that splits each sequence over --parallelism.context_parallel_degree ranks (one
     accepting causal masks; `cpattn schedules` lists them), or "auto" """
 
-    backend: Literal["auto", "aten", "flash_attn", "flex", "math"] = "auto"
+    backend: Literal["auto", "aten", "flash_attn", "flash_attn3", "flash_attn4", "flex", "math"] = "auto"
     """cpattn's local attention kernels"""
 
     check: Literal["first", "always", "off"] = "first"
