@@ -53,7 +53,7 @@ def test_world_survives_an_exception(worlds):
 
 
 def test_a_hung_case_times_out_with_its_name():
-    with LocalWorld(2) as w:
+    with LocalWorld(2, stop_grace=0.5) as w:
         t0 = time.monotonic()
         with pytest.raises(WorldError, match="case 'sleepy'.*timed out"):
             w.run(worker_fns.sleep_on, timeout=2, name="sleepy", rank=1, seconds=60)
