@@ -9,13 +9,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# Without CUDA, take the pinned CPU wheel so pip never pulls a multi-GB CUDA build.
-	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-		$(BIN)/python -m pip install -q "torch>=2.5"; \
-	else \
-		$(BIN)/python -m pip install -q torch==2.13.0; \
-	fi
-	$(BIN)/python -m pip install -q -e ".[test,hf]"
+	# Without CUDA, take the pinned CPU wheel so pip never pulls a multi-GB CUDA build; one resolve for all
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then torch="torch>=2.5"; \
+	else torch="torch==2.13.0"; fi; \
+	$(BIN)/python -m pip install -q "$$torch" -e ".[test,hf]"
 	touch $(STAMP)
 
 demo: $(STAMP)
