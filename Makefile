@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/cpattn bench
 
+# the package's bytecode first: every worker process the tests start imports it (and none writes it where
+# PYTHONDONTWRITEBYTECODE is set)
 test: $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 cpattn tests >/dev/null
 	$(BIN)/python -m pytest -q
 
 # everything, the slow cases too; the torchtitan runs only where torchtitan is installed (make test-titan)
