@@ -7,8 +7,8 @@ and one that runs out records the cases it had no time for as ``{"skipped": why}
 written after every section, so a run cut short keeps what it did. Sections, in the order they run:
 
 1. ``exactness`` (20%): every available kernel path (flash_cuda, cudnn_cuda, efficient_cuda, flex_cuda,
-   flash_attn, flash_attn3, flash_attn4, math) x block kind (FULL, CAUSAL, PARTIAL where the path takes it) x dtype (float16,
-   bfloat16, float32 where the path takes it) x GQA (1, 4), forward and backward, against a float64
+   flash_attn, flash_attn3, flash_attn4, math) x block kind (FULL, CAUSAL, PARTIAL where the path takes it)
+   x dtype (float16, bfloat16, float32 where the path takes it) x GQA (1, 4), forward and backward, against a float64
    reference computed on the GPU in plain torch (``cpattn.verify.reference``). Tolerance
    (docs/testing.md): relative error <= 2 * e_local + 1e-6 per quantity, where e_local is the error of
    ``torch.nn.functional.scaled_dot_product_attention`` in the same dtype on the same inputs (rows the
