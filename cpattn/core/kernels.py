@@ -61,7 +61,7 @@ from .masks import BlockKind, CausalMask, FullMask
 BACKENDS = ("auto", "aten", "flash_attn", "flash_attn3", "flash_attn4", "math")
 #: backends that pin an optional package's kernel: FlashAttention-2, -3 (``flash_attn_interface``), -4
 #: (``flash_attn.cute``); each is also the name of its kernel path
-PACKAGE_BACKENDS = ("flash_attn", "flash_attn3", "flash_attn4")
+PACKAGE_BACKENDS = tuple(kernels_cuda.FLASH_ATTN_MODULES)
 #: every kernel path :func:`choose_kernel` can return
 PATHS = ("flash_cpu", "flash_cuda", "cudnn_cuda", "efficient_cuda", "flex_cuda", *PACKAGE_BACKENDS, "math")
 #: paths whose backward takes ``delta = rowsum(dout * out)`` in place of ``out``

@@ -388,14 +388,22 @@ def flash_attn_forward(q, k, v, kind, scale, mask):
 def flash_attn_backward(dout, q, k, v, out, lse, kind, scale, mask):
     from flash_attn import flash_attn_interface
 
+    return _backward_into(flash_attn_interface._flash_attn_backward, dout, q, k, v, out, lse, kind, scale)
+
+
+def _backward_into(fn: Callable, dout, q, k, v, out, lse, kind, scale):
+    """``(dq, dk, dv)`` from a backward that writes into the buffers it is given (FlashAttention-2's and -3's
+    ``_flash_attn_backward``), called with the names its release takes (:func:`flash_attn_call`: the causal
+    flag is ``causal`` or ``is_causal``, the window one pair or two numbers)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    causal = kind == BlockKind.CAUSAL
     values = {"dout": dout.to(q.dtype).contiguous(), "q": q, "k": k, "v": v, "out": out.to(q.dtype).contiguous(),
               "softmax_lse": lse.to(torch.float32).contiguous(), "dq": dq, "dk": dk, "dv": dv,
-              "dropout_p": 0.0, "softmax_scale": scale, "causal": kind == BlockKind.CAUSAL,
+              "dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "is_causal": causal,
               "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1, "softcap": 0.0,
               "alibi_slopes": None, "deterministic": False, "rng_state": None}
-    flash_attn_call(flash_attn_interface._flash_attn_backward, values)
+    flash_attn_call(fn, values)
     return dq, dk, dv
 
 
@@ -428,14 +436,7 @@ def flash_attn3_forward(q, k, v, kind, scale, mask):
 
 def flash_attn3_backward(dout, q, k, v, out, lse, kind, scale, mask):
     fa3 = importlib.import_module(FLASH_ATTN_MODULES["flash_attn3"])
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    causal = kind == BlockKind.CAUSAL  # the flag is ``causal`` or ``is_causal`` depending on the release
-    flash_attn_call(fa3._flash_attn_backward, {
-        "dout": dout.to(q.dtype).contiguous(), "q": q, "k": k, "v": v, "out": out.to(q.dtype).contiguous(),
-        "softmax_lse": lse.to(torch.float32).contiguous(), "dq": dq, "dk": dk, "dv": dv, "softmax_scale": scale,
-        "causal": causal, "is_causal": causal})
-    return dq, dk, dv
+    return _backward_into(fa3._flash_attn_backward, dout, q, k, v, out, lse, kind, scale)
 
 
 def flash_attn4_forward(q, k, v, kind, scale, mask):
