@@ -388,8 +388,8 @@ class KVCache:
         (host; none: the rows stay at out 0, lse -inf); the result is role ``out`` (output accumulators,
         or the merged ``(out, lse)``)."""
         rt = dataclasses.replace(self._runtime, scale=scale, softcap=softcap)
-        entry = rt.block_cache.get(("cache mask", id(allowed)), lambda: (allowed, _blocks(allowed)))
-        blocks = entry[1] if entry[0] is allowed else _blocks(allowed)  # one list per mask: its layers share it
+        # one block list per mask: the layers of a step share it
+        blocks = rt.block_cache.get_for(allowed, ("cache mask", id(allowed)), lambda: _blocks(allowed))
         out = execute(rt, steps, roles, lambda _: blocks, keep=("out",),
                       transforms={**MERGES, **(fns or {})})["out"]
         return (out.out, out.lse) if isinstance(out, Accumulators) else out

@@ -44,3 +44,16 @@ def test_a_context_parallel_remembers_in_its_own_cache():
     assert len(cp._memo) > 0  # its steps and block lists
     other = cpattn.ContextParallel(64, cpattn.masks.document([24, 40]), schedule="ring")
     assert len(other._memo) < len(cp._memo)
+
+
+def test_an_entry_kept_for_an_object_is_built_again_for_another_object_under_its_key():
+    cache, built = BoundedCache(4), []
+
+    def build(tag):
+        return lambda: built.append(tag) or tag
+
+    first, second = object(), object()
+    assert cache.get_for(first, "id", build("first")) == "first"
+    assert cache.get_for(first, "id", build("again")) == "first"  # kept
+    assert cache.get_for(second, "id", build("second")) == "second"  # the key names another object now
+    assert built == ["first", "second"] and len(cache) == 1

@@ -90,12 +90,8 @@ class Runtime:
         """The stacked kernel calls of ``blocks`` (``cpattn.core.blocks.batches``) with their row and column
         indices and masks already on ``device``, kept per block list: a steady-state call copies nothing
         from the host and reads nothing back."""
-        key = (id(blocks), str(device))
-        entry = self.batch_cache.get(key, lambda: (None, None))
-        if entry[0] is not blocks:  # new, or a list that died left its id to this one
-            entry = (blocks, [Run.of(b, device) for b in blocks_mod.batches(blocks)])
-            self.batch_cache.put(key, entry)
-        return entry[1]
+        return self.batch_cache.get_for(blocks, (id(blocks), str(device)),
+                                        lambda: [Run.of(b, device) for b in blocks_mod.batches(blocks)])
 
 
 @dataclass(frozen=True)
@@ -520,8 +516,7 @@ def execute(rt: Runtime, steps: list[Step], roles: dict[str, Any], blocks_of: Bl
     ``blocks_of``: the blocks of an action's source on this rank; ``transforms``: the functions
     :class:`~cpattn.core.steps.Local` actions name."""
     transforms = transforms or {}
-    entry = rt.block_cache.get(("last uses", id(steps)), lambda: (steps, _last_uses(steps)))
-    drops = entry[1] if entry[0] is steps else _last_uses(steps)  # a list that died left its id to this one
+    drops = rt.block_cache.get_for(steps, ("last uses", id(steps)), lambda: _last_uses(steps))
     keep = set(keep)
     due: dict[int, list] = {}  # step index -> handles: earlier steps' waited for at its start, its own after its run
     for i, (st, drop) in enumerate(zip(steps, drops)):

@@ -38,6 +38,17 @@ class BoundedCache:
         self.put(key, value)
         return value
 
+    def get_for(self, owner: object, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()`` kept under ``key`` for ``owner``, an object the key names by ``id`` (a block list, a
+        plan, a mask): built again when the entry holds another object, to which one that died left its id."""
+        entry = self._items.get(key)
+        if entry is None or entry[0] is not owner:
+            entry = (owner, build())
+            self.put(key, entry)
+        else:
+            self._items.move_to_end(key)
+        return entry[1]
+
     def put(self, key: Hashable, value: Any) -> None:
         """Store ``value`` under ``key`` (evicting the least recently used)."""
         self._items[key] = value

@@ -227,15 +227,13 @@ class Schedule:
         """This rank's program of the call, kept with the runtime's cache (made once per call signature
         and plan)."""
         problem, plan = rt.problem(q, k), rt.plan
-        key = ("program", self, problem, phase, rt.topology, rt.rank, id(plan))
-        entry = rt.block_cache.get(key, lambda: None)
-        if entry is None or entry[0] is not plan:  # a plan that died left its id to another one
+        def make() -> list[Step]:
             with memo.scope(rt.block_cache):
                 kept = {role: ANY for _, role in self.keeps} if phase == "backward" else {}
-                entry = (plan, check_program(self.program(problem, phase, rt.topology, plan, rt.rank),
-                                             {**kept, **START_ROLES[phase]}))
-            rt.block_cache.put(key, entry)
-        return entry[1]
+                return check_program(self.program(problem, phase, rt.topology, plan, rt.rank),
+                                     {**kept, **START_ROLES[phase]})
+
+        return rt.block_cache.get_for(plan, ("program", self, problem, phase, rt.topology, rt.rank, id(plan)), make)
 
     def blocks_of(self, rt: Runtime, src) -> list[blocks_mod.Block] | None:
         """The blocks an action's source ``src`` (``cpattn.core.steps.Attend``) names on this rank (None:
