@@ -9,7 +9,7 @@ written after every section, so a run cut short keeps what it did. Sections, in 
 1. ``exactness`` (20%): every available kernel path (flash_cuda, cudnn_cuda, efficient_cuda, flex_cuda,
    flash_attn, flash_attn3, flash_attn4, math) x block kind (FULL, CAUSAL, PARTIAL where the path takes it)
    x dtype (float16, bfloat16, float32 where the path takes it) x GQA (1, 4), forward and backward, against a float64
-   reference computed on the GPU in plain torch (``cpattn.verify.reference``). Tolerance
+   reference computed on the GPU in plain torch (``cpattn.exactness.reference``). Tolerance
    (docs/testing.md): relative error <= 2 * e_local + 1e-6 per quantity, where e_local is the error of
    ``torch.nn.functional.scaled_dot_product_attention`` in the same dtype on the same inputs (rows the
    mask leaves empty are given every key for that measurement, since SDPA makes them NaN); lse, which
@@ -369,7 +369,7 @@ def _tolerances(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, allowed: Tensor, 
     """2 * e_local + 1e-6 per quantity, e_local from SDPA in the inputs' dtype."""
     from cpattn.masks import BlockKind
 
-    from cpattn.verify import reference, rel_error
+    from cpattn.exactness import reference, rel_error
 
     filled = allowed.clone()
     filled[~filled.any(1)] = True  # SDPA gives NaN on rows with no key
@@ -391,7 +391,7 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
 
 
 def _judge(got: dict, ref: dict, tol: dict, empty_rows: Tensor) -> dict:
-    from cpattn.verify import rel_error
+    from cpattn.exactness import rel_error
 
     errors = {n: rel_error(got[n], ref[n]) for n in ("out", "lse", "dq", "dk", "dv")}
     problems = [f"{n}: {errors[n]:.3g} > {tol[n]:.3g}" for n in errors if not errors[n] <= tol[n]]
@@ -409,7 +409,7 @@ def exactness(device: torch.device, deadline: float, quick: bool = False) -> lis
     from cpattn.masks import BlockKind
 
     from cpattn import kernels
-    from cpattn.verify import reference
+    from cpattn.exactness import reference
 
     dev = device
     available = kernels.available_kernels(dev)
@@ -665,7 +665,7 @@ def _cp_case(case: dict, spec: dict, judged: dict, shape: tuple[int, ...], devic
     from cpattn.masks import from_spec
 
     import cpattn
-    from cpattn.verify import dense_mask, local_errors, reference, rel_error
+    from cpattn.exactness import dense_mask, local_errors, reference, rel_error
 
     b, seq, h, hkv, d = shape
     scale = d ** -0.5
@@ -714,7 +714,7 @@ def context_parallel(device: torch.device, deadline: float, quick: bool = False)
     so that a budget cut leaves every pair checked once. The reference and e_local of one (mask, dtype,
     GQA) are the same inputs for every schedule and are computed once."""
     from cpattn import schedules
-    from cpattn.verify import example_mask_args
+    from cpattn.exactness import example_mask_args
 
     sizes = _sizes(device, quick)
     seq, b, h, d = sizes["cp_seq"], 2, 8, 64
@@ -1391,7 +1391,7 @@ def _rank_main(rank: int, world: int, backend: str, port: int, outdir: str, devi
 
     import cpattn
     from cpattn import schedules
-    from cpattn.verify import example_mask_args
+    from cpattn.exactness import example_mask_args
 
     report: dict[str, Any] = {"rank": rank, "backend": backend, "world": world}
     try:

@@ -1,6 +1,6 @@
 """Masks given by a predicate (``cpattn.masks.from_mask_mod``) for the fuzz tests (tests/test_fuzz.py).
 
-A ``verify.Case`` names its mask as JSON (``cpattn.masks.from_spec``), which a predicate has no form
+A ``exactness.Case`` names its mask as JSON (``cpattn.masks.from_spec``), which a predicate has no form
 of, so these cases describe the predicate as a small dict ``mod``::
 
     {"kind": "prefix_lm", "prefix": 10, "combine": "and"}
@@ -9,11 +9,11 @@ of, so these cases describe the predicate as a small dict ``mod``::
 predicate alone) or "and" / "or" (the predicate combined with the case's own JSON mask, ``Case.mask``
 and ``Case.mask_args``, with ``&`` / ``|``). Each kind has two definitions: a vectorised one that the
 library gets through ``from_mask_mod`` (classified from its dense form) and a pair-by-pair one on plain
-ints for the reference. The JSON side of a combination comes from ``verify.dense_mask``, so the
+ints for the reference. The JSON side of a combination comes from ``exactness.dense_mask``, so the
 reference shares no code with ``cpattn.masks``.
 
 :func:`mask_mod_case` runs on every worker rank; :func:`run` runs it on a world and judges the results
-with ``cpattn.verify``'s checks: float64 reference, tolerance ``2 * e_local + 1e-6``, communication equal
+with ``cpattn.exactness``'s checks: float64 reference, tolerance ``2 * e_local + 1e-6``, communication equal
 to the schedule's steps, padding and empty rows exactly 0 (lse -inf).
 """
 
@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 import torch
 
-from cpattn import masks, verify
+from cpattn import exactness, masks
 from cpattn.launcher import WorldError
 
 #: multiplier of the block hash of ``random_blocks`` (Knuth's); products stay far below 2**63
@@ -64,7 +64,7 @@ def _args(mod: dict) -> dict:
     return {k: v for k, v in mod.items() if k not in ("kind", "combine")}
 
 
-def build_mask(case: verify.Case, mod: dict) -> masks.Mask:
+def build_mask(case: exactness.Case, mod: dict) -> masks.Mask:
     """The library mask of a case: the predicate ``mod`` wrapped by ``from_mask_mod``, alone or combined
     with the case's JSON mask."""
     fn, _, is_causal = MODS[mod["kind"]]
@@ -76,7 +76,7 @@ def build_mask(case: verify.Case, mod: dict) -> masks.Mask:
     return (mask & other) if mod["combine"] == "and" else (mask | other)
 
 
-def reference_mask(case: verify.Case, mod: dict) -> torch.Tensor:
+def reference_mask(case: exactness.Case, mod: dict) -> torch.Tensor:
     """The reference's bool ``[S, S]`` of the case, pair by pair (small S only)."""
     _, rule, _ = MODS[mod["kind"]]
     args = _args(mod)
@@ -84,11 +84,11 @@ def reference_mask(case: verify.Case, mod: dict) -> torch.Tensor:
     allowed = torch.tensor([[bool(rule(q, k, **args)) for k in range(s)] for q in range(s)], dtype=torch.bool)
     if mod.get("combine") is None:
         return allowed
-    other = verify.dense_mask(case.mask, s, case.mask_args)
+    other = exactness.dense_mask(case.mask, s, case.mask_args)
     return (allowed & other) if mod["combine"] == "and" else (allowed | other)
 
 
-def label(case: verify.Case, mod: dict | None) -> str:
+def label(case: exactness.Case, mod: dict | None) -> str:
     """The case as text: ``verify``'s label, plus the predicate when there is one."""
     if mod is None:
         return case.label
@@ -97,25 +97,25 @@ def label(case: verify.Case, mod: dict | None) -> str:
 
 # ---------------------------------------------------------------------------------- worker side
 def mask_mod_case(mod: dict, **fields) -> dict:
-    """``verify.rank_case`` with the mask of :func:`build_mask`, built here on the rank (a predicate
+    """``exactness.rank_case`` with the mask of :func:`build_mask`, built here on the rank (a predicate
     cannot travel to the worker): this rank's results, counts and the run against its steps."""
-    case = verify.Case(**fields)
-    return verify.run_case_on_rank(case, build_mask(case, mod))
+    case = exactness.Case(**fields)
+    return exactness.run_case_on_rank(case, build_mask(case, mod))
 
 
 # ---------------------------------------------------------------------------------- parent side
-def check(case: verify.Case, mod: dict, per_rank: list) -> verify.CaseResult:
-    """``verify.check`` with the reference mask of :func:`reference_mask`."""
-    return verify.check(case, per_rank, allowed=reference_mask(case, mod), mask_name="mask_mod")
+def check(case: exactness.Case, mod: dict, per_rank: list) -> exactness.CaseResult:
+    """``exactness.check`` with the reference mask of :func:`reference_mask`."""
+    return exactness.check(case, per_rank, allowed=reference_mask(case, mod), mask_name="mask_mod")
 
 
-def run(world, case: verify.Case, mod: dict | None, timeout: float) -> verify.CaseResult:
-    """Run one fuzz case on a ``LocalWorld`` and judge it: ``verify.run`` for a JSON mask, the predicate
+def run(world, case: exactness.Case, mod: dict | None, timeout: float) -> exactness.CaseResult:
+    """Run one fuzz case on a ``LocalWorld`` and judge it: ``exactness.run`` for a JSON mask, the predicate
     path above otherwise. A timeout or a dead worker is a failure naming the case."""
     if mod is None:
-        return verify.run(world, case, timeout=timeout)
+        return exactness.run(world, case, timeout=timeout)
     try:
         per_rank = world.run(mask_mod_case, timeout=timeout, name=label(case, mod), mod=mod, **asdict(case))
     except WorldError as exc:
-        return verify.CaseResult(case, failure=str(exc))
+        return exactness.CaseResult(case, failure=str(exc))
     return check(case, mod, per_rank)

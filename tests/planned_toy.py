@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from cpattn import schedules, verify
+from cpattn import exactness, schedules
 from cpattn.core.program import Prediction
 from cpattn.core.steps import OWN, Attend, AttendBack, CommOp, Step, Zeros
 from cpattn.schedules.base import Schedule
@@ -84,9 +84,9 @@ def registered():
 
 
 def toy_case(**fields) -> dict:
-    """``verify.rank_case`` with the toy registered on this worker for the call only."""
+    """``exactness.rank_case`` with the toy registered on this worker for the call only."""
     remove = registered()
     try:
-        return verify.rank_case(**fields)
+        return exactness.rank_case(**fields)
     finally:
         remove()

@@ -8,8 +8,8 @@ import contextlib
 from functools import partial
 from unittest import mock
 
-from cpattn import verify
-from cpattn.core import kernels, kernels_cuda
+from cpattn import exactness
+from cpattn.core import cuda_ops, kernels
 from cpattn.core.flex_masks import Region
 from cpattn.core.masks import BlockKind, CausalMask, FullMask
 from cpattn.schedules import base
@@ -39,15 +39,15 @@ def forced(flex: bool, counts: dict):
         if flex:
             stack.enter_context(mock.patch.object(kernels, "kernel_for", flex_first))
             stack.enter_context(mock.patch.dict(kernels._FORWARD, {
-                "flex_cuda": partial(kernels_cuda.flex_forward, compiled=False)}))
+                "flex_cuda": partial(cuda_ops.flex_forward, compiled=False)}))
             stack.enter_context(mock.patch.dict(kernels._BACKWARD, {
-                "flex_cuda": partial(kernels_cuda.flex_backward, compiled=False)}))
+                "flex_cuda": partial(cuda_ops.flex_backward, compiled=False)}))
         yield
 
 
 def region_case(flex: bool = False, **fields) -> dict:
-    """``verify.rank_case`` with regions forced; ``regions``: this rank's kernel calls and region calls."""
+    """``exactness.rank_case`` with regions forced; ``regions``: this rank's kernel calls and region calls."""
     counts = {"calls": 0, "regions": 0}
     with forced(flex, counts):
-        result = verify.rank_case(**fields)
+        result = exactness.rank_case(**fields)
     return {**result, "regions": counts}

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn import verify
+from cpattn import exactness
 from cpattn.core import placement
 from cpattn.core.comm import Communicator
 from cpattn.core.staging import STAGE_ENV, Stager
@@ -33,7 +33,7 @@ def forced() -> Iterator[None]:
 
 
 def staged_case(**fields) -> dict:
-    """``verify.rank_case`` with the communicator's calls counted: ``staging`` holds how many calls
+    """``exactness.rank_case`` with the communicator's calls counted: ``staging`` holds how many calls
     started (``calls``) and how many of them went through host buffers (``staged``)."""
     counts = {"calls": 0, "staged": 0}
     start, stage = Communicator._start, Stager.start
@@ -48,7 +48,7 @@ def staged_case(**fields) -> dict:
 
     with forced(), mock.patch.object(Communicator, "_start", counted_start), \
             mock.patch.object(Stager, "start", counted_stage):
-        result = verify.rank_case(**fields)
+        result = exactness.rank_case(**fields)
     return {**result, "staging": counts}
 
 

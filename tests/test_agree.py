@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import worker_fns
 
-from cpattn import verify
+from cpattn import exactness
 from cpattn.launcher import RankError
 
 
@@ -91,9 +91,9 @@ def test_two_level_ringx3_inside_dp2_x_cp4_is_exact_with_bytes_per_level(worlds,
     for replica in (0, 1):
         args = {"mask": "sliding_window", "mask_args": {"window": 12, "causal": False}} if mask == "window" \
             else {"mask": mask}
-        case = verify.Case(schedule, 8, **args, seq=64, heads=4, kv_heads=2, mesh=(2, 2, 2), replica=replica,
+        case = exactness.Case(schedule, 8, **args, seq=64, heads=4, kv_heads=2, mesh=(2, 2, 2), replica=replica,
                            seed=replica)
-        result = verify.run(worlds.get(8), case)
+        result = exactness.run(worlds.get(8), case)
         assert result.passed, result.describe()
         for phase in ("forward", "backward"):
             for rank, levels in result.levels.items():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cpattn
-from cpattn import schedules, verify
+from cpattn import exactness, schedules
 from cpattn.api import PLANS_KEPT, ContextParallel
 from cpattn.core.memo import BoundedCache
 from cpattn.functional import _CACHE, FUNCTIONAL_KEPT
@@ -83,8 +83,8 @@ def test_usp_degree_reaches_the_run(worlds):
         assert not isinstance(r, RankError), r
         assert r["close"] and r["spec"] == "usp(ulysses_degree=2)"
         assert "all_to_all" not in r["stats"] and r["stats"]["send"] > 0
-    case = verify.Case("usp", 4, "causal", "float32", heads=4, kv_heads=2, seq=64, options={"ulysses_degree": 2})
-    result = verify.run(worlds.get(4), case)
+    case = exactness.Case("usp", 4, "causal", "float32", heads=4, kv_heads=2, seq=64, options={"ulysses_degree": 2})
+    result = exactness.run(worlds.get(4), case)
     assert result.passed, result.describe()
 
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from cpattn import bench
 from cpattn.core.topology import Link, RatePoint
 from cpattn.cost import Problem, estimate, presets, profile
-from cpattn.lab import calibrate
+from cpattn.lab import machine_profile
 
 
 def _profile(scale: float = 1.0, latency: float = 5e-5) -> profile.Profile:
@@ -47,16 +47,16 @@ def test_launch_overheads_are_counted_per_call():
 
 def test_calibration_differences_and_median():
     a, b = _profile(1.0, latency=5e-5), _profile(1.1, latency=0.0)
-    rates = calibrate.rates(a)
+    rates = machine_profile.rates(a)
     assert rates["forward full 256x256"] == 1e10 and rates["sendrecv bandwidth"] == 2e9
     assert rates["memory bandwidth"] == 8e9 and rates["overlap"] == 0.4 and rates["sendrecv latency"] == 5e-5
-    spread = calibrate.spread([a, b])
+    spread = machine_profile.spread([a, b])
     assert set(spread) == set(rates)
     assert spread["forward full 256x256"][2] == pytest.approx(0.1)
     assert spread["sendrecv latency"] == (0.0, 5e-5, 5e-5)  # latencies: an absolute difference
     assert spread["overlap"][2] == 0.0
-    mid = calibrate.combine([a, b, _profile(1.05)])
-    assert calibrate.rates(mid)["backward causal 1024x1024"] == pytest.approx(1.05 * 8e10)
+    mid = machine_profile.combine([a, b, _profile(1.05)])
+    assert machine_profile.rates(mid)["backward causal 1024x1024"] == pytest.approx(1.05 * 8e10)
     assert mid.links["sendrecv"] == Link(5e-5, 1.05 * 2e9)
 
 
@@ -64,8 +64,8 @@ def test_calibrations_compared_at_a_common_speed():
     """A machine that ran 7% faster in the second calibration moves every rate by 7%: at a common speed the
     two agree, save the one rate that moved on its own."""
     a = _profile()
-    b = calibrate.at_speed(a, 1.07)
-    rates_a, rates_b = calibrate.rates(a), calibrate.rates(b)
+    b = machine_profile.at_speed(a, 1.07)
+    rates_a, rates_b = machine_profile.rates(a), machine_profile.rates(b)
     assert rates_b["backward causal 256x256"] == pytest.approx(1.07 * rates_a["backward causal 256x256"])
     assert rates_b["sendrecv bandwidth"] == pytest.approx(1.07 * 2e9)
     assert rates_b["sendrecv latency"] == pytest.approx(5e-5 / 1.07) and rates_b["overlap"] == 0.4
@@ -73,10 +73,10 @@ def test_calibrations_compared_at_a_common_speed():
     off = dataclasses.replace(b, kernels=tuple(dataclasses.replace(p, flop_per_s=p.flop_per_s * 1.1)
                                                if (p.phase, p.kind, p.q_len) == ("forward", "full", 256) else p
                                                for p in b.kernels))
-    speeds = calibrate.levels([a, off])
+    speeds = machine_profile.levels([a, off])
     assert speeds == pytest.approx([1.0, 1.07])
-    assert calibrate.spread([a, off])["backward full 1024x1024"][2] == pytest.approx(0.07)
-    common = calibrate.spread([calibrate.at_speed(p, 1 / v) for p, v in zip([a, off], speeds)])
+    assert machine_profile.spread([a, off])["backward full 1024x1024"][2] == pytest.approx(0.07)
+    common = machine_profile.spread([machine_profile.at_speed(p, 1 / v) for p, v in zip([a, off], speeds)])
     assert common["backward full 1024x1024"][2] == pytest.approx(0.0, abs=1e-12)
     assert common["sendrecv bandwidth"][2] == pytest.approx(0.0, abs=1e-12)
     assert common["forward full 256x256"][2] == pytest.approx(0.1)
@@ -96,7 +96,7 @@ def test_calibrate_repeat_prints_the_differences_as_measured_and_at_a_common_spe
 
 
 def test_a_busy_machine_is_reported():
-    watch = calibrate.Interference()
+    watch = machine_profile.Interference()
     watch.start()
     sum(i * i for i in range(200_000))
     watch.stop()
@@ -173,19 +173,19 @@ def test_the_speed_probe_puts_predictions_at_the_speed_the_machine_ran(tmp_path,
 def test_a_pass_spreads_the_samples_of_every_figure():
     """One pass times every figure; the noisy ones come several times, each repetition after all the
     others of its group, so the samples of one figure are spread over the pass, not timed in a burst."""
-    s = calibrate.Settings()
-    keys = calibrate.probes(s)
+    s = machine_profile.Settings()
+    keys = machine_profile.probes(s)
     counts = {key: keys.count(key) for key in keys}
     assert max(s.sizes) >= 8192  # the blocks of a 2-rank run at 16K tokens, ulysses' 8K sequence
     assert counts[("kernel", "full", 2048, 1, "forward")] == counts[("kernel", "causal", 8192, 1, "backward")] == 1
-    later = calibrate.probes(s, 1)  # the large blocks come in every large_every-th pass
+    later = machine_profile.probes(s, 1)  # the large blocks come in every large_every-th pass
     assert s.large_every == 2 and ("kernel", "full", 8192, 1, "forward") not in later
-    assert ("kernel", "full", 2048, 1, "forward") in later and len(calibrate.probes(s, 2)) == len(keys)
+    assert ("kernel", "full", 2048, 1, "forward") in later and len(machine_profile.probes(s, 2)) == len(keys)
     assert counts[("kernel", "causal", 512, 1, "backward")] == s.small_samples > 1
     assert counts[("kernel", "full", 16, s.stacked_rows // 16, "forward")] == s.small_samples
     assert counts[("op", "all_gather", 1 << 24)] == counts[("merge", max(s.sizes))] == s.comm_samples > 1
     assert counts[("overlap", "both")] == s.comm_samples
-    assert {key[1] for key in keys if key[0] == "op"} == set(calibrate.CALIBRATED_OPS)
+    assert {key[1] for key in keys if key[0] == "op"} == set(machine_profile.CALIBRATED_OPS)
     where = [i for i, key in enumerate(keys) if key == ("op", "sendrecv", 1 << 16)]
     between = {keys[i] for i in range(where[0] + 1, where[1])}
     assert ("op", "all_to_all", 1 << 24) in between and ("merge", max(s.sizes)) in between
@@ -193,7 +193,7 @@ def test_a_pass_spreads_the_samples_of_every_figure():
 
 def test_a_sample_times_several_calls_after_the_barrier():
     calls, barriers = [], []
-    seconds = calibrate.sample(lambda: calls.append(time.perf_counter()), 4, lambda: barriers.append(1))
+    seconds = machine_profile.sample(lambda: calls.append(time.perf_counter()), 4, lambda: barriers.append(1))
     assert len(calls) == 4 and barriers == [1] and 0 <= seconds < 0.01
 
 
@@ -201,5 +201,5 @@ def test_the_speed_of_each_pass_shows_the_drift():
     a, b = ("kernel", "full", 256, 1, "forward"), ("op", "sendrecv", 1 << 16)
     per_pass = [[(a, 1.0), (b, 2.0), (b, 2.0)], [(a, 1.1), (b, 2.2)], [(a, 0.9), (b, 1.8)]]
     seconds = {a: 1.0, b: 2.0}
-    speeds = calibrate.pass_speeds(per_pass, seconds)
+    speeds = machine_profile.pass_speeds(per_pass, seconds)
     assert speeds == pytest.approx([1.0, 1 / 1.1, 1 / 0.9])

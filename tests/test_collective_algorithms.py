@@ -25,7 +25,7 @@ from cpattn.cost.collectives import (
 )
 from cpattn.cost.estimate import busiest_bytes_sent, default_candidates, wire_by_rank
 from cpattn.cost.presets import LOCAL_ALGORITHM, local
-from cpattn.lab.calibrate import fit_link
+from cpattn.lab.machine_profile import fit_link
 from cpattn.launcher import RankError
 
 ALPHA, BW = 4e-6, 20e9

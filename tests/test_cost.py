@@ -45,7 +45,7 @@ from cpattn.cost import (
     simulate,
     transfer,
 )
-from cpattn.lab import calibrate
+from cpattn.lab import machine_profile
 from cpattn.planner import get_plan, request
 from cpattn.schedules.base import Schedule
 from cpattn.schedules.usp import USPSchedule
@@ -519,10 +519,10 @@ def test_default_profile_location_is_configurable(tmp_path, monkeypatch):
 
 def test_calibration_smoke(tmp_path):
     """A tiny calibration on a real 2-rank gloo world gives a valid, usable profile."""
-    prof = calibrate.calibrate(calibrate.QUICK)
+    prof = machine_profile.calibrate(machine_profile.QUICK)
     path = profile.save(prof, tmp_path / "p.json")
     loaded = profile.load(path)
-    assert set(loaded.links) == set(calibrate.CALIBRATED_OPS) and 0.0 <= loaded.overlap <= 1.0
+    assert set(loaded.links) == set(machine_profile.CALIBRATED_OPS) and 0.0 <= loaded.overlap <= 1.0
     assert {(p.phase, p.kind) for p in loaded.kernels} == {(ph, k) for ph in ("forward", "backward")
                                                            for k in ("full", "causal", "partial")}
     assert estimate("ring", Problem(1024, 2, "causal", dtype="float32"), presets.local(2, loaded)).total > 0

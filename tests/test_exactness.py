@@ -17,7 +17,7 @@ import dataclasses
 
 import pytest
 
-from cpattn import schedules, verify
+from cpattn import exactness, schedules
 
 BASELINES = ["ring", "zigzag_ring", "stripe_ring", "allgather"]
 #: world sizes of the matrix, and the subgroup (global ranks 1 and 3 of a 4-rank world)
@@ -31,23 +31,23 @@ GQA = ((8, 2), (6, 3), (12, 4))
 MHA = ((4, 4), (6, 6), (12, 12))
 
 
-def _with_options(case: verify.Case) -> verify.Case:
+def _with_options(case: exactness.Case) -> exactness.Case:
     if (schedules.get(case.schedule).make_plan is not None):
         return dataclasses.replace(case, options=PLAN_OPTIONS)
     return case
 
 
 def _first(name: str, world: int, group: tuple[int, ...] | None, mask: str, dtype: str,
-           heads: tuple[tuple[int, int], ...], seed: int) -> list[verify.Case]:
-    """The first case of ``verify.matrix`` for one place, mask and dtype (none if all are rejected)."""
+           heads: tuple[tuple[int, int], ...], seed: int) -> list[exactness.Case]:
+    """The first case of ``exactness.matrix`` for one place, mask and dtype (none if all are rejected)."""
     places = {"worlds": (world,), "subgroup": False} if group is None else {"worlds": (), "subgroup": True}
-    found = [c for c in verify.matrix([name], masks=(mask,), dtypes=(dtype,), heads=heads, seed=seed, **places)
+    found = [c for c in exactness.matrix([name], masks=(mask,), dtypes=(dtype,), heads=heads, seed=seed, **places)
              if c.group == group]
     return found[:1]
 
 
-def _slice(name: str, seed: int) -> list[verify.Case]:
-    accepted = [m for m in ("causal", "full") if verify.matrix([name], worlds=(2,), subgroup=False, masks=(m,),
+def _slice(name: str, seed: int) -> list[exactness.Case]:
+    accepted = [m for m in ("causal", "full") if exactness.matrix([name], worlds=(2,), subgroup=False, masks=(m,),
                                                                dtypes=("float32",), heads=GQA)]
     if not accepted:
         return []
@@ -64,7 +64,7 @@ CAUSAL_MASKS = ("document", "sliding_window", "streaming")
 CAUSAL_PLACES = ((1, None), (4, None), (4, SUBGROUP))
 
 
-def _causal_masks(name: str, turn: int, seed: int) -> list[verify.Case]:
+def _causal_masks(name: str, turn: int, seed: int) -> list[exactness.Case]:
     """Each of CAUSAL_MASKS at one of CAUSAL_PLACES, every place once (rotated by ``turn`` so that over
     the registry every mask meets every place)."""
     if not schedules.get(name).causal:
@@ -76,8 +76,8 @@ def _causal_masks(name: str, turn: int, seed: int) -> list[verify.Case]:
     return cases
 
 
-def _cases() -> list[verify.Case]:
-    cases = verify.matrix(BASELINES)
+def _cases() -> list[exactness.Case]:
+    cases = exactness.matrix(BASELINES)
     for i, name in enumerate(schedules.names()):
         if name not in BASELINES:
             cases += _slice(name, seed=1000 + 10 * i)
@@ -89,7 +89,7 @@ CASES = _cases()
 
 
 def test_matrix_covers_every_registered_schedule():
-    """verify.matrix leaves out what a schedule rejects, so a schedule could silently drop out of a
+    """exactness.matrix leaves out what a schedule rejects, so a schedule could silently drop out of a
     world size: each registered one must have a case at every world size and on the subgroup, with each
     of causal and full it accepts, and every causal one each of CAUSAL_MASKS at each of CAUSAL_PLACES;
     the baselines the whole product."""
@@ -114,21 +114,21 @@ def test_matrix_covers_every_registered_schedule():
 
 @pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])
 def test_schedule_is_exact(worlds, case):
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
 @pytest.mark.parametrize("schedule", BASELINES)
 def test_float16_and_uneven_heads(worlds, schedule):
-    case = verify.Case(schedule, 2, "causal", "float16", heads=6, kv_heads=3, head_dim=32, seq=64, seed=7)
-    result = verify.run(worlds.get(2), case)
+    case = exactness.Case(schedule, 2, "causal", "float16", heads=6, kv_heads=3, head_dim=32, seq=64, seed=7)
+    result = exactness.run(worlds.get(2), case)
     assert result.passed, result.describe()
 
 
 @pytest.mark.parametrize("schedule", ["ring", "allgather"])
 def test_math_backend_matches(worlds, schedule):
-    case = verify.Case(schedule, 3, "causal", "float32", backend="math", seed=11)
-    result = verify.run(worlds.get(3), case)
+    case = exactness.Case(schedule, 3, "causal", "float32", backend="math", seed=11)
+    result = exactness.run(worlds.get(3), case)
     assert result.passed, result.describe()
 
 
@@ -136,18 +136,18 @@ def test_checker_catches_a_wrong_answer():
     """The judge itself must be able to fail: feed it a result with one corrupted row."""
     import numpy as np
 
-    case = verify.Case("ring", 1, "causal", "float32")
-    x = verify.make_inputs(case)
+    case = exactness.Case("ring", 1, "causal", "float32")
+    x = exactness.make_inputs(case)
     scale = 1 / case.head_dim ** 0.5
-    loc = verify.local_kernel(x["q"], x["k"], x["v"], x["dout"], "causal", scale)
+    loc = exactness.local_kernel(x["q"], x["k"], x["v"], x["dout"], "causal", scale)
     row = {"member": True, "rank": 0, "positions": np.arange(case.seq),
-           **{q: loc[q].double().numpy().copy() for q in verify.QUANTITIES},
+           **{q: loc[q].double().numpy().copy() for q in exactness.QUANTITIES},
            "measured": {"forward": {}, "backward": {}}, "expected": {"forward": {}, "backward": {}},
            "spec": {ph: {"problems": [], "overlapped": 0, "computes": 0, "expected": (0, 0)}
                     for ph in ("forward", "backward")}}
-    assert verify.check(case, [row]).passed
+    assert exactness.check(case, [row]).passed
     row["out"][0, 5] += 1e-2
-    bad = verify.check(case, [row])
+    bad = exactness.check(case, [row])
     assert not bad.passed and bad.errors["out"] > bad.tolerances["out"]
     row["out"][0, 5] = float("nan")
-    assert verify.check(case, [row]).errors["out"] == float("inf")
+    assert exactness.check(case, [row]).errors["out"] == float("inf")

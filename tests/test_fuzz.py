@@ -33,7 +33,7 @@ from cpattn.layout import Layout
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from cpattn import masks, schedules, verify
+from cpattn import exactness, masks, schedules
 
 #: (world size, subgroup or None): every world size, and subgroups of the 4-rank world (P=2 and P=3)
 PLACES = [(1, None), (2, None), (3, None), (4, None), (4, (1, 3)), (4, (0, 2, 3))]
@@ -136,8 +136,8 @@ HEADS = [(kv * r, kv) for r in (1, 2, 4) for kv in range(1, 9) if 2 <= kv * r <=
 
 @st.composite
 def fuzz_cases(draw, place: tuple[int, tuple[int, ...] | None] | None = None, name: str | None = None
-               ) -> tuple[verify.Case, dict | None]:
-    """A ``verify.Case`` and, for a predicate mask, its ``mod`` (else None), at ``place`` with schedule
+               ) -> tuple[exactness.Case, dict | None]:
+    """A ``exactness.Case`` and, for a predicate mask, its ``mod`` (else None), at ``place`` with schedule
     ``name`` (both drawn when None). The schedule comes first, then a mask it accepts: one of its named
     masks for a schedule that lists them, else any mask, rejected (``assume``) when the schedule is
     causal-only or bidirectional-only and the mask is not."""
@@ -155,7 +155,7 @@ def fuzz_cases(draw, place: tuple[int, tuple[int, ...] | None] | None = None, na
         if mod is not None and mod["combine"] is None:
             spec = {"kind": "full"}  # unused: the predicate alone is the mask
     kind, args = spec["kind"], {k: v for k, v in spec.items() if k != "kind"} or None
-    base = verify.Case(name, world, kind, seq=seq, mask_args=args)
+    base = exactness.Case(name, world, kind, seq=seq, mask_args=args)
     mask = masks.from_spec(spec) if mod is None else fuzz_workers.build_mask(base, mod)
     heads_ok = [hk for hk in HEADS if _accepts(name, mask, *hk, p)]
     assume(heads_ok)  # the mask is causal for a bidirectional-only schedule, or the reverse
@@ -168,7 +168,7 @@ def fuzz_cases(draw, place: tuple[int, tuple[int, ...] | None] | None = None, na
     layout = draw(st.sampled_from([None, "balanced"])) if sched.custom_layout else None
     topologies = [None, None, None] + [(a, p // a) for a in (2, p) if a > 1 and p % a == 0]
     topology = draw(st.sampled_from(topologies))
-    case = verify.Case(
+    case = exactness.Case(
         name, world, kind, dtype=draw(st.sampled_from(DTYPES)), batch=draw(st.integers(1, 2)), seq=seq,
         heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from(HEAD_DIMS)), seed=draw(st.integers(0, 2**20)),
         group=group, backend=draw(st.sampled_from(["auto", "auto", "math"])), topology=topology, mask_args=args,
@@ -187,7 +187,7 @@ def fuzz_cases(draw, place: tuple[int, tuple[int, ...] | None] | None = None, na
     return case, mod
 
 
-def _check(worlds, drawn: tuple[verify.Case, dict | None]) -> None:
+def _check(worlds, drawn: tuple[exactness.Case, dict | None]) -> None:
     case, mod = drawn
     result = fuzz_workers.run(worlds.get(case.world), case, mod, timeout=CASE_TIMEOUT)
     assert result.passed, f"{fuzz_workers.label(case, mod)}: {result.describe()}"
@@ -238,7 +238,7 @@ def test_predicate_masks_agree_with_their_reference(data):
     seq = data.draw(st.integers(16, 80))
     mod = data.draw(mods(seq))
     spec = data.draw(specs(seq))
-    case = verify.Case("ring", 1, spec["kind"], seq=seq, mask_args={k: v for k, v in spec.items() if k != "kind"})
+    case = exactness.Case("ring", 1, spec["kind"], seq=seq, mask_args={k: v for k, v in spec.items() if k != "kind"})
     assert torch.equal(fuzz_workers.build_mask(case, mod).dense(0, seq, 0, seq), fuzz_workers.reference_mask(case, mod))
 
 
@@ -246,13 +246,13 @@ def test_predicate_checker_catches_a_wrong_answer():
     """The predicate path's judge can fail: one corrupted row, or a result of another mask."""
     import numpy as np
 
-    case = verify.Case("ring", 1, "causal", seq=40)
+    case = exactness.Case("ring", 1, "causal", seq=40)
     mod = {"kind": "empty_rows", "period": 5, "phase": 2, "combine": "or"}
-    x = verify.make_inputs(case)
+    x = exactness.make_inputs(case)
     allowed = fuzz_workers.reference_mask(case, mod)
-    loc = verify.local_kernel(x["q"], x["k"], x["v"], x["dout"], "mask_mod", 1 / case.head_dim ** 0.5, allowed)
+    loc = exactness.local_kernel(x["q"], x["k"], x["v"], x["dout"], "mask_mod", 1 / case.head_dim ** 0.5, allowed)
     row = {"member": True, "rank": 0, "positions": np.arange(case.seq),
-           **{q: loc[q].double().numpy().copy() for q in verify.QUANTITIES},
+           **{q: loc[q].double().numpy().copy() for q in exactness.QUANTITIES},
            "measured": {"forward": {}, "backward": {}}, "expected": {"forward": {}, "backward": {}},
            "spec": {ph: {"problems": [], "overlapped": 0, "computes": 0, "expected": (0, 0)}
                     for ph in ("forward", "backward")}}

@@ -17,7 +17,7 @@ import torch
 from cpattn.masks import from_spec
 
 from cpattn import schedules
-from cpattn.verify import example_mask_args
+from cpattn.exactness import example_mask_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -203,21 +203,21 @@ def test_failures_name_every_failed_check():
 def test_local_errors_builds_its_masks_where_the_given_mask_is(monkeypatch):
     """The fast kernel's reference mask is built on ``allowed``'s device (a CUDA run once met a CPU mask
     there), and the masked kernel gets its mask where q is; the meta device stands in for a GPU."""
-    from cpattn import verify
+    from cpattn import exactness
 
     built = []
-    real = verify.dense_mask
-    monkeypatch.setattr(verify, "dense_mask", lambda *a, **kw: built.append(kw.get("device")) or real(*a, **kw))
+    real = exactness.dense_mask
+    monkeypatch.setattr(exactness, "dense_mask", lambda *a, **kw: built.append(kw.get("device")) or real(*a, **kw))
     args = example_mask_args("document", 16)
     allowed = real("document", 16, args)
     g = torch.Generator().manual_seed(0)
     x = {n: torch.randn(1, 16, h, 8, generator=g) for n, h in (("q", 4), ("k", 2), ("v", 2), ("dout", 4))}
-    ref = verify.reference(x["q"], x["k"], x["v"], x["dout"], allowed, 0.3)
-    errors = verify.local_errors(x, "document", 0.3, allowed, ref)
+    ref = exactness.reference(x["q"], x["k"], x["v"], x["dout"], allowed, 0.3)
+    errors = exactness.local_errors(x, "document", 0.3, allowed, ref)
     assert built == [allowed.device] and max(errors.values()) < 1e-5
     assert real("causal", 4, device="meta").device.type == "meta"
     meta = {n: t.to("meta") for n, t in x.items()}
-    got = verify.local_kernel(meta["q"], meta["k"], meta["v"], meta["dout"], "document", 0.3, allowed)
+    got = exactness.local_kernel(meta["q"], meta["k"], meta["v"], meta["dout"], "document", 0.3, allowed)
     assert {t.device.type for t in got.values()} == {"meta"}
 
 

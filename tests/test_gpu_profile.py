@@ -18,8 +18,8 @@ from cpattn.core.masks import BlockKind
 from cpattn.core.steps import Problem
 from cpattn.core.topology import Link, RatePoint
 from cpattn.cost import documents, estimate, presets, profile
-from cpattn.kernel_calls import square_kernel
-from cpattn.lab import calibrate
+from cpattn.lab import machine_profile
+from cpattn.timed_calls import square_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the env and bench sections of scripts/gpu_check.py's report on one H200 (2026-12-04)
@@ -110,9 +110,9 @@ def test_gpu_calibration_runs_its_cuda_branch_with_a_stand_in_timer(tmp_path):
         ran.append(call)
         return 0.004 if len(ran) % 2 else 0.010  # forward, backward, ...; the merge is the last, odd call
 
-    settings = calibrate.GpuSettings(sizes=(128, 256), heads=4, kv_heads=2, head_dim=16, merge_rows=64, warmup=0,
+    settings = machine_profile.GpuSettings(sizes=(128, 256), heads=4, kv_heads=2, head_dim=16, merge_rows=64, warmup=0,
                                      repeats=1)
-    prof = calibrate.calibrate_gpu(settings, "cpu", timer)
+    prof = machine_profile.calibrate_gpu(settings, "cpu", timer)
     assert len(ran) == 2 * 2 * 2 + 1  # forward and backward of two kinds at two sizes, the merge
     problem = Problem(256, 1, "full", 1, 4, 2, 16, "bfloat16")
     measured = {(p.phase, p.kind, p.q_len): p.flop_per_s for p in prof.kernels if p.q_len in (128, 256)}

@@ -17,7 +17,7 @@ import torch
 from cpattn.masks import BlockKind
 
 from cpattn import kernels
-from cpattn.core import kernels_cuda
+from cpattn.core import cuda_ops
 
 FULL, CAUSAL, PARTIAL, EMPTY = BlockKind.FULL, BlockKind.CAUSAL, BlockKind.PARTIAL, BlockKind.EMPTY
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -173,7 +173,7 @@ def test_available_kernels_on_cuda(monkeypatch, capability, flash, cudnn, flex, 
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: flash)
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
-    monkeypatch.setattr(kernels_cuda, "flex_supported", lambda: flex)
+    monkeypatch.setattr(cuda_ops, "flex_supported", lambda: flex)
     found = object() if fa else None
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: found if n == "flash_attn" else real(n, *a))
     kernels._cuda_paths.cache_clear()
@@ -241,13 +241,13 @@ def test_cpu_dispatch_is_the_cpu_flash_op():
 # ------------------------------------------------------------------------------------ lse helpers
 def test_trim_and_pad_lse():
     lse = torch.randn(2, 3, 40)
-    padded = kernels_cuda.pad_lse(lse, 32)
+    padded = cuda_ops.pad_lse(lse, 32)
     assert padded.shape == (2, 3, 64) and padded.is_contiguous() and padded.dtype == F32
     assert torch.equal(padded[:, :, :40], lse) and bool((padded[:, :, 40:] == 0).all())
-    assert torch.equal(kernels_cuda.trim_lse(padded, 40), lse)
-    assert torch.equal(kernels_cuda.trim_lse(lse.unsqueeze(-1), 40), lse)  # cuDNN's [b, h, s, 1]
-    assert kernels_cuda.pad_lse(torch.randn(1, 1, 64), 32).shape == (1, 1, 64)
-    assert kernels_cuda.pad_lse(lse, 1).shape == lse.shape
+    assert torch.equal(cuda_ops.trim_lse(padded, 40), lse)
+    assert torch.equal(cuda_ops.trim_lse(lse.unsqueeze(-1), 40), lse)  # cuDNN's [b, h, s, 1]
+    assert cuda_ops.pad_lse(torch.randn(1, 1, 64), 32).shape == (1, 1, 64)
+    assert cuda_ops.pad_lse(lse, 1).shape == lse.shape
 
 
 # ------------------------------------------------------------------------------------ block backward
@@ -277,7 +277,7 @@ def test_grads_through_block_add_up_to_the_row(hkv):
     want = kernels.backward_with("math", dout, q, k, v, out, lse, PARTIAL, 0.4, allowed)
     total = [0.0, torch.zeros_like(want[1]), torch.zeros_like(want[2])]
     for cols in (slice(0, 15), slice(15, 30)):
-        dq, dk, dv = kernels_cuda.grads_through_block(_masked_block(allowed[:, cols], 0.4), dout, q,
+        dq, dk, dv = cuda_ops.grads_through_block(_masked_block(allowed[:, cols], 0.4), dout, q,
                                                       k[:, cols], v[:, cols], out, lse)
         assert not any(t.isnan().any() for t in (dq, dk, dv))
         total[0] = total[0] + dq
@@ -298,7 +298,7 @@ def test_flex_forward_unfused_matches_math(hkv):
     allowed[3] = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out, lse = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+        out, lse = cuda_ops.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
     ref_o, ref_l = kernels.forward_with("math", q, k, v, PARTIAL, 0.3, allowed)
     assert out.shape == ref_o.shape and lse.shape == ref_l.shape
     assert torch.allclose(out.float(), ref_o, atol=1e-5)
@@ -314,7 +314,7 @@ def test_flex_forward_of_stacked_partial_blocks_matches_math():
     masks[1, 9] = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out, lse = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, masks, compiled=False)
+        out, lse = cuda_ops.flex_forward(q, k, v, PARTIAL, 0.3, masks, compiled=False)
     ref_o, ref_l = kernels.forward_stacked(q, k, v, PARTIAL, 0.3, 2, "math", masks)
     assert torch.allclose(out.float(), ref_o, atol=1e-5) and torch.equal(lse.isinf(), ref_l.isinf())
     assert bool(torch.isneginf(lse[1, :, 9]).all()) and bool((out[1, 9] == 0).all())
@@ -341,7 +341,7 @@ def test_flex_forward_soft_capped_unfused_matches_a_float64_reference(kind):
                PARTIAL: torch.rand(48, 48, generator=torch.Generator().manual_seed(8)) < 0.4}[kind]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out, lse = kernels_cuda.flex_forward(q, k, v, kind, 0.25, allowed if kind == PARTIAL else None,
+        out, lse = cuda_ops.flex_forward(q, k, v, kind, 0.25, allowed if kind == PARTIAL else None,
                                              compiled=False, softcap=0.7)
     ref_o, ref_l = _capped_reference(q, k, v, allowed, 0.25, 0.7)
     plain, _ = _capped_reference(q, k, v, allowed, 0.25, 1e6)
@@ -383,14 +383,14 @@ def test_flash_attn_call_follows_the_signature():
         def __call__(self, **kw):
             return v27(**kw)
 
-    assert kernels_cuda.flash_attn_call(v26, values) == ("v26", 1, (-1, -1))
-    assert kernels_cuda.flash_attn_call(CustomOp(), values) == ("v27", 1, -1, -1, 0.0)
+    assert cuda_ops.flash_attn_call(v26, values) == ("v26", 1, (-1, -1))
+    assert cuda_ops.flash_attn_call(CustomOp(), values) == ("v27", 1, -1, -1, 0.0)
 
     def v99(q, new_argument):
         return q
 
     with pytest.raises(TypeError, match="new_argument"):
-        kernels_cuda.flash_attn_call(v99, values)
+        cuda_ops.flash_attn_call(v99, values)
 
 
 def _fake_attend(q, k, v, scale, causal):
@@ -461,7 +461,7 @@ def test_flash_attention_3_and_4_wrappers_against_modules_of_their_signature(mon
     """The wrappers call the packages' functions by their parameter names and read out and lse from what
     they return: with a stand-in of the same signature, forward and backward match the math path."""
     monkeypatch.setitem(sys.modules, module, fake())
-    assert kernels_cuda.FLASH_ATTN_MODULES[path] == module
+    assert cuda_ops.FLASH_ATTN_MODULES[path] == module
     gen = torch.Generator().manual_seed(3)
     b, s, h, hkv, d = 2, 24, 4, 2, 16
     q, dout = (torch.randn(b, s, h, d, generator=gen) for _ in range(2))
@@ -581,7 +581,7 @@ def test_dispatch_follows_the_measured_order(capability, dtype, head_dim, kind, 
 
 
 def test_kernel_table_rows_cite_measurements_and_end_in_a_catch_all():
-    from cpattn.core import kernel_table as kt
+    from cpattn.core import kernel_order as kt
 
     kt.check_table()
     assert kt.order_row(H200, "bfloat16", 128) is kt.CUDA_ORDER_TABLE[0]
@@ -599,7 +599,7 @@ def test_kernel_table_rows_cite_measurements_and_end_in_a_catch_all():
 
 def test_kernel_table_is_in_the_docs():
     """docs/cuda.md shows every row's order, so a reader sees the table the dispatch reads."""
-    from cpattn.core import kernel_table as kt
+    from cpattn.core import kernel_order as kt
 
     doc = (ROOT / "docs" / "cuda.md").read_text()
     assert "## Measured kernel order" in doc
@@ -610,7 +610,7 @@ def test_kernel_table_is_in_the_docs():
 @pytest.mark.parametrize("row", range(2))
 def test_every_ordered_path_runs_on_meta_tensors(row):
     """Each path of each row, at a dtype and head dim the row covers, through the ops' shape functions."""
-    from cpattn.core import kernel_table as kt
+    from cpattn.core import kernel_order as kt
 
     r = kt.CUDA_ORDER_TABLE[row]
     dtype = kernels.DTYPES[r.dtypes[0]] if r.dtypes else BF16
@@ -642,7 +642,7 @@ def test_flex_backward_operator_from_the_row_out_and_lse_matches_math(hkv):
     """The masked backward with no second forward, in its eager form, float64: the keys split over two
     PARTIAL blocks, each block's gradients from the merged row's out and lse (rows with no key anywhere,
     and rows empty in one block only), GQA; their sum is the math path's whole-row gradient."""
-    if kernels_cuda.flex_backward_op() is None:
+    if cuda_ops.flex_backward_op() is None:
         pytest.skip("this torch has no FlexAttention backward operator")  # the recompute path is tested above
     q, k, v, dout = _inputs(F64, sq=150, sk=200, h=4, hkv=hkv, d=16, seed=11)
     allowed = torch.rand(150, 200, generator=torch.Generator().manual_seed(12)) < 0.3
@@ -655,7 +655,7 @@ def test_flex_backward_operator_from_the_row_out_and_lse_matches_math(hkv):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for cols in (slice(0, 100), slice(100, 200)):
-            dq, dk, dv = kernels_cuda.flex_backward(dout, q, k[:, cols], v[:, cols], out, lse, PARTIAL, 0.3,
+            dq, dk, dv = cuda_ops.flex_backward(dout, q, k[:, cols], v[:, cols], out, lse, PARTIAL, 0.3,
                                                     allowed[:, cols], compiled=False)
             total[0] += dq
             total[1][:, cols] += dk
@@ -669,7 +669,7 @@ def test_flex_backward_operator_from_the_row_out_and_lse_matches_math(hkv):
 def test_flex_backward_operator_soft_capped_and_stacked(kind):
     """Soft-capped blocks of every kind, and stacked PARTIAL blocks with a mask per piece, through the
     backward operator's eager form against the math path (float64)."""
-    if kernels_cuda.flex_backward_op() is None:
+    if cuda_ops.flex_backward_op() is None:
         pytest.skip("this torch has no FlexAttention backward operator")
     q, k, v, dout = _inputs(F64, sq=64, sk=64, h=4, hkv=2, d=16, seed=13)
     q = q * 3
@@ -683,7 +683,7 @@ def test_flex_backward_operator_soft_capped_and_stacked(kind):
         want = kernels._run_backward("math", dout, q, k, v, out, lse, kind, 0.25, mask, None, None, cap)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            got = kernels_cuda.flex_backward(dout, q, k, v, out, lse, kind, 0.25, mask, compiled=False, **extra)
+            got = cuda_ops.flex_backward(dout, q, k, v, out, lse, kind, 0.25, mask, compiled=False, **extra)
         for g, w in zip(got, want):
             assert torch.allclose(g, w, atol=1e-10), (cap, (g - w).abs().max())
 
@@ -694,15 +694,15 @@ def test_flex_backward_operator_soft_capped_and_stacked(kind):
 def test_flex_backward_takes_the_operator_only_where_it_runs(monkeypatch, op, compilable, compiled, want):
     """The fused backward runs where this torch has the operator (eager), and compiled only where dynamo can
     trace a direct call of it; elsewhere the block's forward is recomputed, as before."""
-    kernels_cuda.flex_backward_op.cache_clear()
-    kernels_cuda.flex_backward_compilable.cache_clear()
-    monkeypatch.setattr(kernels_cuda, "flex_backward_op", lambda: object() if op else None)
-    monkeypatch.setattr(kernels_cuda, "flex_backward_compilable", lambda: compilable)
+    cuda_ops.flex_backward_op.cache_clear()
+    cuda_ops.flex_backward_compilable.cache_clear()
+    monkeypatch.setattr(cuda_ops, "flex_backward_op", lambda: object() if op else None)
+    monkeypatch.setattr(cuda_ops, "flex_backward_compilable", lambda: compilable)
     taken = []
-    monkeypatch.setattr(kernels_cuda, "flex_fused_backward", lambda *a, **k: taken.append("fused") or (1, 2, 3))
-    monkeypatch.setattr(kernels_cuda, "grads_through_block", lambda *a, **k: taken.append("recompute") or (1, 2, 3))
+    monkeypatch.setattr(cuda_ops, "flex_fused_backward", lambda *a, **k: taken.append("fused") or (1, 2, 3))
+    monkeypatch.setattr(cuda_ops, "grads_through_block", lambda *a, **k: taken.append("recompute") or (1, 2, 3))
     q = torch.zeros(1, 4, 2, 16)
-    assert kernels_cuda.flex_backward(q, q, q, q, q, torch.zeros(1, 2, 4), FULL, 0.1, None, compiled=compiled) \
+    assert cuda_ops.flex_backward(q, q, q, q, q, torch.zeros(1, 2, 4), FULL, 0.1, None, compiled=compiled) \
         == (1, 2, 3)
     assert taken == [want]
 
@@ -714,24 +714,24 @@ def test_a_partial_mask_builds_its_block_mask_once_per_run_cache(monkeypatch):
     from cpattn.core import memo
 
     built = []
-    real = kernels_cuda._block_mask
-    monkeypatch.setattr(kernels_cuda, "_block_mask", lambda dense: built.append(1) or real(dense))
+    real = cuda_ops._block_mask
+    monkeypatch.setattr(cuda_ops, "_block_mask", lambda dense: built.append(1) or real(dense))
     q, k, v, _ = _inputs(F32, sq=40, sk=70, h=4, hkv=2, d=16, seed=2)
     allowed = torch.rand(40, 70, generator=torch.Generator().manual_seed(5)) < 0.3
     allowed[3] = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with memo.scope(memo.BoundedCache(16)):
-            first = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
-            again = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+            first = cuda_ops.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+            again = cuda_ops.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
             assert len(built) == 1 and torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
-            kernels_cuda.flex_forward(q[:1], k[:1], v[:1], PARTIAL, 0.3, allowed, compiled=False)  # another batch
+            cuda_ops.flex_forward(q[:1], k[:1], v[:1], PARTIAL, 0.3, allowed, compiled=False)  # another batch
             assert len(built) == 2
             allowed[5] = False  # in place: the old block mask no longer describes it
-            changed = kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+            changed = cuda_ops.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
             assert len(built) == 3 and bool((changed[0][:, 5] == 0).all()) and not bool((first[0][:, 5] == 0).all())
             ref_o, _ = kernels.forward_with("math", q, k, v, PARTIAL, 0.3, allowed)
             assert torch.allclose(changed[0].float(), ref_o, atol=1e-5)
-        kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
-        kernels_cuda.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+        cuda_ops.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
+        cuda_ops.flex_forward(q, k, v, PARTIAL, 0.3, allowed, compiled=False)
         assert len(built) == 5

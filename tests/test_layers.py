@@ -204,7 +204,7 @@ def test_the_layer_check_sees_imports_inside_functions(tmp_path, monkeypatch):
 @pytest.mark.parametrize("module,layer", [("cpattn.core.comm", 1), ("cpattn.core.steps", 1),
                                           ("cpattn.planner.build", 2), ("cpattn.schedules.ring", 3),
                                           ("cpattn.cost.estimate", 4), ("cpattn.api", 5), ("cpattn.cli.plan", 5),
-                                          ("cpattn.distributed", 5), ("cpattn", 5), ("cpattn.lab.calibrate", 6),
+                                          ("cpattn.distributed", 5), ("cpattn", 5), ("cpattn.lab.machine_profile", 6),
                                           ("cpattn.cli.reproduce", 6)])
 def test_layer_names(module, layer):
     assert layer_of(module) == layer

@@ -14,7 +14,7 @@ from cpattn.masks import BlockKind, _kind_of_dense
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cpattn import layout, masks, schedules, verify
+from cpattn import exactness, layout, masks, schedules
 from cpattn.core import blocks
 from cpattn.core.steps import Problem
 from cpattn.schedules.stripe_ring import striped_blocks
@@ -88,7 +88,7 @@ def test_classify_and_counts_agree_with_dense(spec, rects):
 def test_definitions_agree_with_the_reference_and_specs_roundtrip(spec):
     """The library's per-pair definition equals verify's independent one; spec() rebuilds the mask."""
     mask = masks.from_spec(spec)
-    want = verify.dense_mask(spec["kind"], SEQ, {k: v for k, v in spec.items() if k != "kind"})
+    want = exactness.dense_mask(spec["kind"], SEQ, {k: v for k, v in spec.items() if k != "kind"})
     assert torch.equal(mask.dense(0, SEQ, 0, SEQ), want)
     assert torch.equal(masks.from_spec(mask.spec()).dense(0, SEQ, 0, SEQ), want)
     if mask.is_causal:
@@ -327,7 +327,7 @@ def _takes_causal_flag(kind: str) -> bool:
     if kind in COMPOSITES:
         return True  # through the masks it combines
     try:
-        return not masks.from_spec({"kind": kind, **(verify.example_mask_args(kind, SEQ) or {}),
+        return not masks.from_spec({"kind": kind, **(exactness.example_mask_args(kind, SEQ) or {}),
                                     "causal": False}).is_causal
     except ValueError:
         return False
@@ -339,7 +339,7 @@ def _spec(kind: str, seq: int, bidirectional: bool = False) -> tuple[str, dict |
     if kind in COMPOSITES:
         parts = [{"kind": "document", "lengths": [13, 1, 20, seq - 34]}, {"kind": "sliding_window", "window": 6}]
         return kind, {"masks": [{**m, "causal": False} if bidirectional else m for m in parts]}
-    args = verify.example_mask_args(kind, seq)
+    args = exactness.example_mask_args(kind, seq)
     return kind, ({**(args or {}), "causal": False} if bidirectional else args)
 
 
@@ -351,10 +351,10 @@ BIDIRECTIONAL_KINDS = [k for k in KINDS if _takes_causal_flag(k)]
 PIPELINED = ("ringx2o", "ringx4o")
 
 
-def _mask_cases() -> list[verify.Case]:
+def _mask_cases() -> list[exactness.Case]:
     kinds = [_spec(k, 48) for k in masks.KINDS] + [_spec(k, 48, bidirectional=True) for k in BIDIRECTIONAL_KINDS]
     names = [n for n in schedules.names() if n not in ("ulysses", "usp")]  # in test_ulysses_usp.py
-    cases = verify.matrix(names, worlds=(2, 3), subgroup=False, masks=tuple(kinds), dtypes=("float32",),
+    cases = exactness.matrix(names, worlds=(2, 3), subgroup=False, masks=tuple(kinds), dtypes=("float32",),
                           heads=((4, 2),), seed=1000)
     cases = [c for c in cases if c.world == 3 or c.schedule not in PIPELINED]
     # causal and full on the other schedules are test_exactness.py's
@@ -364,7 +364,7 @@ def _mask_cases() -> list[verify.Case]:
 MASK_CASES = _mask_cases()
 
 
-def _bidirectional(case: verify.Case) -> bool:
+def _bidirectional(case: exactness.Case) -> bool:
     """Whether ``case`` runs the full mask or a bidirectional form (a combination: of bidirectional masks)."""
     args = case.mask_args or {}
     return case.mask == "full" or args.get("causal") is False or (
@@ -373,7 +373,7 @@ def _bidirectional(case: verify.Case) -> bool:
 
 @pytest.mark.parametrize("case", MASK_CASES, ids=[c.label for c in MASK_CASES])
 def test_schedule_is_exact_under_mask(worlds, case):
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
@@ -412,7 +412,7 @@ FAMILIES = {"ring": "ring", "all-gather": "allgather", "RingX bidirectional": "r
 PLAN_OPTIONS = {"plan_options": {"time_budget": 1.0, "partition_time_limit": 0.3, "schedule_time_limit": 0.3}}
 
 
-def _family_cases() -> list[verify.Case]:
+def _family_cases() -> list[exactness.Case]:
     cases = []
     for f, name in enumerate(FAMILIES.values()):
         for i, kind in enumerate(masks.KINDS):
@@ -420,7 +420,7 @@ def _family_cases() -> list[verify.Case]:
                 continue  # test_exactness.py's full matrix
             forms = [_spec(kind, 48)] + ([_spec(kind, 48, bidirectional=True)] if _takes_causal_flag(kind) else [])
             for form in forms:
-                found = verify.matrix([name], worlds=(4,), subgroup=False, masks=(form,), dtypes=("float32",),
+                found = exactness.matrix([name], worlds=(4,), subgroup=False, masks=(form,), dtypes=("float32",),
                                       heads=((8, 2),), seed=4000 + 20 * f + i)
                 if found:
                     opts = PLAN_OPTIONS if (schedules.get(name).make_plan is not None) else None
@@ -434,7 +434,7 @@ FAMILY_CASES = _family_cases()
 
 @pytest.mark.parametrize("case", FAMILY_CASES, ids=[c.label for c in FAMILY_CASES])
 def test_every_mask_kind_at_four_ranks(worlds, case):
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
@@ -466,18 +466,18 @@ DOC_SCHEDULES = ["ring", "zigzag_ring", "allgather"]
 def test_random_documents_are_exact(worlds, lengths):
     """Packed documents of random lengths, seq 45 over 3 ranks (padded), bf16 on one schedule."""
     for i, name in enumerate(DOC_SCHEDULES):
-        case = verify.Case(name, 3, "document", "bfloat16" if i == 2 else "float32", seq=45, heads=4, kv_heads=2,
+        case = exactness.Case(name, 3, "document", "bfloat16" if i == 2 else "float32", seq=45, heads=4, kv_heads=2,
                            mask_args={"lengths": lengths, "causal": i != 1}, seed=len(lengths) + i)
-        result = verify.run(worlds.get(3), case)
+        result = exactness.run(worlds.get(3), case)
         assert result.passed, result.describe()
 
 
 @pytest.mark.parametrize("window", [5, 16, 40])  # smaller than, equal to and larger than a chunk (48 / 3)
 @pytest.mark.parametrize("name", ["ring", "zigzag_ring", "allgather"])
 def test_windows_around_the_chunk_size(worlds, name, window):
-    case = verify.Case(name, 3, "sliding_window", seq=48, heads=4, kv_heads=2, mask_args={"window": window},
+    case = exactness.Case(name, 3, "sliding_window", seq=48, heads=4, kv_heads=2, mask_args={"window": window},
                        seed=window)
-    result = verify.run(worlds.get(3), case)
+    result = exactness.run(worlds.get(3), case)
     assert result.passed, result.describe()
 
 
@@ -487,9 +487,9 @@ def test_rows_and_ranks_with_nothing_to_attend(worlds):
     table = [[0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 2, 0, 0, 0, 0], [1, 1, 2, 0, 0, 0],
              [1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0]]
     for name in ("ring", "allgather"):
-        case = verify.Case(name, 4, "block_table", seq=48, heads=4, kv_heads=4, group=(1, 3),
+        case = exactness.Case(name, 4, "block_table", seq=48, heads=4, kv_heads=4, group=(1, 3),
                            mask_args={"table": table, "block_size": 8}, seed=77)
-        result = verify.run(worlds.get(4), case)
+        result = exactness.run(worlds.get(4), case)
         assert result.passed, result.describe()
 
 
@@ -502,7 +502,7 @@ CAUSAL_LAYOUT_SCHEDULES = ("ringx2", "ringx2o", "ringx3", "ringx4", "ringx4o", "
 @pytest.mark.parametrize("name", CAUSAL_LAYOUT_SCHEDULES)
 def test_causal_predicate_mask(worlds, name):
     """A ``from_mask_mod`` predicate declared causal (every third key back, block-sparse), at P = 3."""
-    case = verify.Case(name, 3, "causal", seq=48, heads=4, kv_heads=2, seed=61)
+    case = exactness.Case(name, 3, "causal", seq=48, heads=4, kv_heads=2, seed=61)
     mod = {"kind": "dilated", "dilation": 3}
     result = fuzz_workers.run(worlds.get(3), case, mod, timeout=120)
     assert result.passed, result.describe()
@@ -511,9 +511,9 @@ def test_causal_predicate_mask(worlds, name):
 @pytest.mark.parametrize("name", CAUSAL_LAYOUT_SCHEDULES)
 def test_padded_documents(worlds, name):
     """44 tokens over 3 ranks: padded to 45 (contiguous, striped) or 48 (zigzag)."""
-    case = verify.Case(name, 3, "document", seq=44, heads=4, kv_heads=2, mask_args={"lengths": [7, 1, 19, 17]},
+    case = exactness.Case(name, 3, "document", seq=44, heads=4, kv_heads=2, mask_args={"lengths": [7, 1, 19, 17]},
                        seed=62)
-    result = verify.run(worlds.get(3), case)
+    result = exactness.run(worlds.get(3), case)
     assert result.passed, result.describe()
 
 
@@ -530,15 +530,15 @@ def test_ringx2_computes_alone_what_no_other_rank_reaches(worlds):
     half = Problem(48, 4, masks.document([24, 24]), heads=4, kv_heads=2, head_dim=8)
     roots = [op.root for st_ in sched.steps(half, "forward") for op in st_.comm if op.op == "broadcast"]
     assert roots == [1, 3]  # q_1 meets kv_0, q_3 meets kv_2; q_0 and q_2 stay home
-    case = verify.Case("ringx2", 4, "document", seq=48, heads=4, kv_heads=2, mask_args={"lengths": [12] * 4},
+    case = exactness.Case("ringx2", 4, "document", seq=48, heads=4, kv_heads=2, mask_args={"lengths": [12] * 4},
                        seed=63)
-    result = verify.run(worlds.get(4), case)
+    result = exactness.run(worlds.get(4), case)
     assert result.passed, result.describe()
 
 
-def _slow_cases() -> list[verify.Case]:
-    kinds = [(k, verify.example_mask_args(k, 256)) for k in KINDS]
-    return verify.matrix(schedules.names(), worlds=(4,), subgroup=True, masks=tuple(kinds),
+def _slow_cases() -> list[exactness.Case]:
+    kinds = [(k, exactness.example_mask_args(k, 256)) for k in KINDS]
+    return exactness.matrix(schedules.names(), worlds=(4,), subgroup=True, masks=tuple(kinds),
                          dtypes=("float32", "bfloat16"), heads=((8, 2),), seed=5000, seq=256)
 
 
@@ -548,5 +548,5 @@ SLOW_CASES = _slow_cases()
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_CASES, ids=[c.label for c in SLOW_CASES])
 def test_every_schedule_and_mask_at_length_256(worlds, case):
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn import masks, schedules, verify
+from cpattn import exactness, masks, schedules
 from cpattn.launcher import RankError
 
 
@@ -24,7 +24,7 @@ def _mask_for(name: str) -> str:
         return "full"
 
 
-def _padding_cases() -> list[verify.Case]:
+def _padding_cases() -> list[exactness.Case]:
     cases = []
     # (world, seq): 45 over 2 (zigzag pads 3), 47 over 3 (1; zigzag 1), 61 over 4 (3): the baselines on
     # all three, every other schedule on one of them
@@ -33,17 +33,17 @@ def _padding_cases() -> list[verify.Case]:
     for i, name in enumerate(schedules.names()):
         for j, (world, seq) in enumerate(places if name in baselines else [places[i % 3]]):
             heads = (6, 3) if world == 3 else (4, 2)
-            cases.append(verify.Case(name, world, _mask_for(name), seq=seq, heads=heads[0], kv_heads=heads[1],
+            cases.append(exactness.Case(name, world, _mask_for(name), seq=seq, heads=heads[0], kv_heads=heads[1],
                                      seed=3000 + 10 * i + j))
     doc = {"lengths": [9, 1, 20, 17], "causal": True}
     for name in ("ring", "zigzag_ring", "allgather", "ulysses", "usp"):
-        cases.append(verify.Case(name, 3, "document", seq=47, heads=6, kv_heads=3, mask_args=doc, seed=3200))
-    cases.append(verify.Case("stripe_ring", 4, "causal", "bfloat16", seq=61, group=None, seed=3201))
-    cases.append(verify.Case("ring", 4, "sliding_window", seq=45, group=(1, 3), mask_args={"window": 5}, seed=3202))
+        cases.append(exactness.Case(name, 3, "document", seq=47, heads=6, kv_heads=3, mask_args=doc, seed=3200))
+    cases.append(exactness.Case("stripe_ring", 4, "causal", "bfloat16", seq=61, group=None, seed=3201))
+    cases.append(exactness.Case("ring", 4, "sliding_window", seq=45, group=(1, 3), mask_args={"window": 5}, seed=3202))
     return cases
 
 
-def _balanced_cases() -> list[verify.Case]:
+def _balanced_cases() -> list[exactness.Case]:
     """layout="balanced" on every schedule that accepts a layout, uneven length included."""
     takers = [s["name"] for s in schedules.available() if s["custom_layout"]]
     doc = {"lengths": [30, 1, 4, 12], "causal": True}
@@ -51,7 +51,7 @@ def _balanced_cases() -> list[verify.Case]:
     for i, name in enumerate(takers):
         mask, args = ("document", doc) if schedules.get(name).masks == "any" and schedules.get(name).causal \
             else (_mask_for(name), None)
-        cases.append(verify.Case(name, 3, mask, seq=47, heads=6, kv_heads=3, mask_args=args, layout="balanced",
+        cases.append(exactness.Case(name, 3, mask, seq=47, heads=6, kv_heads=3, mask_args=args, layout="balanced",
                                  seed=3300 + i))
     return cases
 
@@ -62,13 +62,13 @@ BALANCED = _balanced_cases()
 
 @pytest.mark.parametrize("case", PADDING, ids=[c.label for c in PADDING])
 def test_padded_lengths_are_exact(worlds, case):
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
 @pytest.mark.parametrize("case", BALANCED, ids=[c.label for c in BALANCED])
 def test_balanced_layout_is_exact(worlds, case):
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
@@ -103,7 +103,7 @@ def test_padding_rows_never_matter(schedule, layout):
     for n in ("q", "k", "v"):
         assert bool((local[n].grad[:, pos < 0] == 0).all())
     ref = {n: t.clone().requires_grad_() for n, t in x.items()}
-    allowed = verify.dense_mask("document", 31, {"lengths": [10, 21]})
+    allowed = exactness.dense_mask("document", 31, {"lengths": [10, 21]})
     ref_out = torch.nn.functional.scaled_dot_product_attention(
         *(ref[n].transpose(1, 2) for n in ("q", "k", "v")), attn_mask=allowed).transpose(1, 2)
     ref_out.backward(cp.unshard(dout))

@@ -10,17 +10,17 @@ import planned_toy
 import pytest
 import torch
 
-from cpattn import ContextParallel, cost, verify
+from cpattn import ContextParallel, cost, exactness
 from cpattn.core.steps import Local, Problem, Step
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("mask", ["causal", "document"])
 def test_toy_planned_schedule_is_exact_through_verify(worlds, world, mask):
-    case = verify.Case(planned_toy.NAME, world, mask, "float32", batch=1, seq=48, heads=4, kv_heads=2,
-                       mask_args=verify.example_mask_args(mask, 48))
+    case = exactness.Case(planned_toy.NAME, world, mask, "float32", batch=1, seq=48, heads=4, kv_heads=2,
+                       mask_args=exactness.example_mask_args(mask, 48))
     per_rank = worlds.get(world).run(planned_toy.toy_case, timeout=120, **dataclasses.asdict(case))
-    result = verify.check(case, per_rank)
+    result = exactness.check(case, per_rank)
     assert result.passed, result.describe()
     assert not result.spec_mismatches and not result.comm_mismatches
 

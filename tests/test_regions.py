@@ -16,9 +16,9 @@ import region_workers
 import torch
 
 import cpattn
+from cpattn import exactness, schedules
 from cpattn import masks as M
-from cpattn import schedules, verify
-from cpattn.core import blocks, flex_masks, kernels, kernels_cuda, memo
+from cpattn.core import blocks, cuda_ops, flex_masks, kernels, memo
 from cpattn.core.flex_masks import Region
 from cpattn.core.layout import Layout
 from cpattn.core.masks import BlockKind
@@ -86,11 +86,11 @@ def test_a_region_on_flex_attention_eager_is_exact(name):
     k, v = (torch.randn(2, 368, 2, 16, dtype=torch.float64, generator=g) for _ in range(2))
     dout = torch.randn(2, 420, 4, 16, dtype=torch.float64, generator=g)
     with memo.scope():
-        o, lse = kernels_cuda.flex_forward(q, k, v, BlockKind.PARTIAL, 0.25, region, compiled=False)
+        o, lse = cuda_ops.flex_forward(q, k, v, BlockKind.PARTIAL, 0.25, region, compiled=False)
         o_ref, lse_ref = kernels._math_forward(q, k, v, BlockKind.PARTIAL, 0.25, region.dense())
         assert torch.allclose(o, o_ref, atol=1e-12) and torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
         assert torch.allclose(lse[~torch.isinf(lse)], lse_ref[~torch.isinf(lse_ref)], atol=1e-12)
-        grads = kernels_cuda.flex_backward(dout, q, k, v, o_ref, lse_ref, BlockKind.PARTIAL, 0.25, region,
+        grads = cuda_ops.flex_backward(dout, q, k, v, o_ref, lse_ref, BlockKind.PARTIAL, 0.25, region,
                                            compiled=False)
         ref = kernels._math_backward(dout, q, k, v, o_ref, lse_ref, BlockKind.PARTIAL, 0.25, region.dense())
         for a, b in zip(grads, ref):
@@ -124,15 +124,15 @@ def test_regions_are_chosen_where_flex_runs_the_masked_blocks(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- every schedule, P=2
-def _cases(masks: tuple[str, ...], names: list[str]) -> list[verify.Case]:
+def _cases(masks: tuple[str, ...], names: list[str]) -> list[exactness.Case]:
     cases = []
     for name in names:
         sched = schedules.get(name)
         options = {"plan_options": PLAN_OPTIONS} if sched.make_plan is not None else None
         for mask in masks if sched.causal else ("document_bidirectional",):
-            spec = (mask, verify.example_mask_args(mask, SEQ)) if mask != "document_bidirectional" else \
-                ("document", {**verify.example_mask_args("document", SEQ), "causal": False})
-            found = verify.matrix([name], worlds=(2,), subgroup=False, masks=(spec,), dtypes=("float32",),
+            spec = (mask, exactness.example_mask_args(mask, SEQ)) if mask != "document_bidirectional" else \
+                ("document", {**exactness.example_mask_args("document", SEQ), "causal": False})
+            found = exactness.matrix([name], worlds=(2,), subgroup=False, masks=(spec,), dtypes=("float32",),
                                   heads=((4, 2),), seq=SEQ)
             cases += [dataclasses.replace(c, seed=300 + len(cases), options=options) for c in found]
     return cases
@@ -145,11 +145,11 @@ DENSE = _cases(("document", "sliding_window"), [n for n in schedules.names() if 
 FLEX = _cases(("document",), ["ring", "zigzag_ring", "allgather", "ringx2", "ulysses", "ultra"])
 
 
-def _judge(case: verify.Case, per_rank: list) -> None:
-    result = verify.check(case, per_rank)
+def _judge(case: exactness.Case, per_rank: list) -> None:
+    result = exactness.check(case, per_rank)
     assert result.failure is None, result.failure
     assert not result.comm_mismatches and not result.exact_violations, result.describe()
-    for q in verify.QUANTITIES:  # the recording's kernel counts differ by design: one call per region
+    for q in exactness.QUANTITIES:  # the recording's kernel counts differ by design: one call per region
         assert result.errors[q] <= result.tolerances[q], result.describe()
     assert sum(r["regions"]["regions"] for r in per_rank) > 0, "no kernel call got a region"
 
@@ -212,7 +212,7 @@ def test_compiled_flex_attention_never_recompiles_over_windows_and_per_step_docu
 
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(kernels_cuda, "_compiled_flex", lambda: compiled)
+    monkeypatch.setattr(cuda_ops, "_compiled_flex", lambda: compiled)
     compiled = torch.compile(flex_attention, backend="eager")
     g = torch.Generator().manual_seed(2)
     with warnings.catch_warnings():
@@ -225,7 +225,7 @@ def test_compiled_flex_attention_never_recompiles_over_windows_and_per_step_docu
                     q = torch.randn(1, 256, 4, 16, generator=g)
                     k = torch.randn(1, 256, 2, 16, generator=g)
                     with memo.scope():
-                        kernels_cuda.flex_forward(q, k, k, BlockKind.PARTIAL, 0.25, region)
+                        cuda_ops.flex_forward(q, k, k, BlockKind.PARTIAL, 0.25, region)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 

@@ -1,5 +1,5 @@
 """``cpattn reproduce ringx`` / ``ultraattn`` at their smallest settings, and the pure pieces behind them
-(``cpattn.lab.reproduce``): the variant lists, the patterns, and the bandwidth search that explains
+(``cpattn.lab.papers``): the variant lists, the patterns, and the bandwidth search that explains
 a speedup."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from cpattn.masks import resolve
 
 from cpattn import cli
 from cpattn.cost import estimate
-from cpattn.lab import reproduce as r
+from cpattn.lab import papers as r
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

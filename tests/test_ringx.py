@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn import verify
+from cpattn import exactness
 from cpattn.core.comm import Communicator
 from cpattn.core.steps import Problem
 from cpattn.cost import Topology
@@ -25,8 +25,8 @@ def mask_of(schedule: str) -> str:
     return "full" if schedule in BIDIRECTIONAL_ONLY else "causal"
 
 
-def check_all(worlds, cases: list[verify.Case]) -> None:
-    failed = [r.describe() for r in (verify.run(worlds.get(c.world), c) for c in cases) if not r.passed]
+def check_all(worlds, cases: list[exactness.Case]) -> None:
+    failed = [r.describe() for r in (exactness.run(worlds.get(c.world), c) for c in cases) if not r.passed]
     assert not failed, "\n".join(failed)
 
 
@@ -183,13 +183,13 @@ def poison_is_on() -> bool:
 
 
 # ---------------------------------------------------------------------------------- exactness
-def hierarchical_cases() -> list[verify.Case]:
+def hierarchical_cases() -> list[exactness.Case]:
     """X3 and X3b on 2 nodes x 2 devices and on 2 x 4 (zigzag over 8 ranks needs seq % 16 == 0)."""
     cases = []
     for name in ("ringx3", "ringx3b"):
         for world, topology, seq in ((4, (2, 2), 48), (8, (2, 4), 64)):
             for dtype, (h, hkv) in (("float32", (4, 4)), ("bfloat16", (8, 2))):
-                cases.append(verify.Case(name, world, mask_of(name), dtype, seq=seq, heads=h, kv_heads=hkv,
+                cases.append(exactness.Case(name, world, mask_of(name), dtype, seq=seq, heads=h, kv_heads=hkv,
                                          topology=topology, seed=200 + len(cases)))
     return cases
 
@@ -201,7 +201,7 @@ HIERARCHICAL = hierarchical_cases()
                                   if c.world == 8 and (c.dtype == "bfloat16" or c.schedule == "ringx3b")
                                   else c for c in HIERARCHICAL], ids=[c.label for c in HIERARCHICAL])
 def test_hierarchical_x3_is_exact(worlds, case):  # 8 ranks: ringx3 in float32 here, the rest in the slow suite
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
@@ -299,20 +299,20 @@ def test_causal_variants_reject_bidirectional(worlds, schedule):
 
 def test_causal_backward_is_exact(worlds):
     """dq, dk, dv of every causal variant on an odd world with GQA and a longer sequence."""
-    check_all(worlds, [verify.Case(name, 3, "causal", heads=6, kv_heads=2, seq=96, seed=300)
+    check_all(worlds, [exactness.Case(name, 3, "causal", heads=6, kv_heads=2, seq=96, seed=300)
                        for name in CAUSAL_ONLY])
 
 
 def test_accumulators_are_zeroed(worlds):
     """Fresh buffers are NaN in the test worlds, so a sum over an unwritten buffer cannot pass."""
     assert worlds.get(4).run(poison_is_on, timeout=30) == [True] * 4
-    check_all(worlds, [verify.Case(name, 4, mask_of(name), heads=8, kv_heads=2, seq=64, seed=400)
+    check_all(worlds, [exactness.Case(name, 4, mask_of(name), heads=8, kv_heads=2, seq=64, seed=400)
                        for name in VARIANTS])
 
 
 def test_subgroup_with_nonzero_global_ranks(worlds):
     """Group ranks differ from global ranks in (1, 3) and (1, 2, 3): every rank test must be group-relative."""
-    check_all(worlds, [verify.Case(name, 4, mask_of(name), seq=48, group=group, seed=500)
+    check_all(worlds, [exactness.Case(name, 4, mask_of(name), seq=48, group=group, seed=500)
                        for name in VARIANTS for group in ((1, 3), (1, 2, 3))])
 
 

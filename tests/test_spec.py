@@ -1,10 +1,10 @@
 """Every registered schedule's run against its own description, ``steps()`` (``ultra``: its plan).
 
 With ``cpattn.core.trace.recording()`` the communicator records each call's issue and wait with its bytes,
-and the kernels each call; ``cpattn.verify`` compares that with the steps: the same messages (kind and
+and the kernels each call; ``cpattn.exactness`` compares that with the steps: the same messages (kind and
 bytes on every rank), issued in step order, and every transfer that a step declares in flight during
 its compute is issued before and waited after a kernel call on each rank that computes in the step.
-``verify.run`` does this for every case (with exactness and byte counts); here the matrix is every
+``exactness.run`` does this for every case (with exactness and byte counts); here the matrix is every
 registered schedule x (causal, full, a block-sparse mask, as accepted) x P in {2, 3, 4}, and a ring
 that waits for each transfer before computing must fail it."""
 
@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from cpattn import schedules, verify
+from cpattn import exactness, schedules
 from cpattn.core.steps import CommOp, Kernel, Step, work
 from cpattn.launcher import RankError
 
@@ -23,12 +23,12 @@ FAST_PLANS = {"plan_options": {"time_budget": 1.0, "partition_time_limit": 0.3, 
 MASKS = ("causal", "full", "strided")
 
 
-def _cases() -> list[verify.Case]:
+def _cases() -> list[exactness.Case]:
     cases = []
     for name in schedules.names():
         options = FAST_PLANS if (schedules.get(name).make_plan is not None) else None
         for world in (2, 3, 4):
-            for case in verify.matrix([name], worlds=(world,), subgroup=False, masks=MASKS, dtypes=("bfloat16",),
+            for case in exactness.matrix([name], worlds=(world,), subgroup=False, masks=MASKS, dtypes=("bfloat16",),
                                       heads=((12, 4),), seq=48, seed=500 + 10 * world):
                 cases.append(dataclasses.replace(case, head_dim=8, options=options))
     return cases
@@ -44,20 +44,20 @@ def test_every_registered_schedule_is_in_the_matrix():
     assert {c.mask for c in CASES} == set(MASKS)
 
 
-def _marked(case: verify.Case):
+def _marked(case: exactness.Case):
     """Causal and full at P = 3 and 4 run in the slow suite: every exactness case in make test makes the same
-    comparison (``verify.run``) on those masks and worlds, in float32 and float16."""
+    comparison (``exactness.run``) on those masks and worlds, in float32 and float16."""
     slow = case.world > 2 and case.mask in ("causal", "full")
     return pytest.param(case, marks=pytest.mark.slow) if slow else case
 
 
 @pytest.mark.parametrize("case", [_marked(c) for c in CASES], ids=[c.label for c in CASES])
 def test_run_matches_steps(worlds, case):
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
-def _local_first_cases() -> list[verify.Case]:
+def _local_first_cases() -> list[exactness.Case]:
     """RingX owner loops under masks whose diagonal blocks outweigh the rest (a window narrower than a
     rank's tokens, short documents), where every rank computes its diagonal before the shared steps."""
     from cpattn.layout import Layout
@@ -70,7 +70,7 @@ def _local_first_cases() -> list[verify.Case]:
              ("document", {"lengths": [6] * 8})]
     for name in ("ringx1", "ringx1o", "ringx2", "ringx2o", "ringx4", "ringx4o"):
         for world in (2, 3, 4):
-            for case in verify.matrix([name], worlds=(world,), subgroup=False, masks=specs, dtypes=("float32",),
+            for case in exactness.matrix([name], worlds=(world,), subgroup=False, masks=specs, dtypes=("float32",),
                                       heads=((12, 4),), seq=48, seed=900 + 10 * world):
                 sched = schedules.get(name)
                 mask = from_spec({"kind": case.mask, **(case.mask_args or {})})
@@ -89,13 +89,13 @@ def test_local_first_cases_cover_every_owner_loop():
 
 @pytest.mark.parametrize("case", LOCAL_FIRST, ids=[c.label for c in LOCAL_FIRST])
 def test_run_matches_steps_when_diagonals_go_first(worlds, case):
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
 # ---------------------------------------------------------------------------------- a serialising executor
 def serialised_ring_case(**fields) -> dict:
-    """On every rank: ``verify.rank_case`` with the executor changed to wait for each transfer as soon
+    """On every rank: ``exactness.rank_case`` with the executor changed to wait for each transfer as soon
     as it is issued, before the step's compute (exact, same bytes, nothing overlapped)."""
     from cpattn.core import executor
 
@@ -108,7 +108,7 @@ def serialised_ring_case(**fields) -> dict:
 
     executor._issue = issue_and_wait
     try:
-        return verify.rank_case(**fields)
+        return exactness.rank_case(**fields)
     finally:
         executor._issue = original
 
@@ -117,27 +117,27 @@ def serialised_ring_case(**fields) -> dict:
 def test_a_serialised_ring_fails(worlds, world):
     """A serialising executor: exact and with the right bytes, but its transfers are not in flight
     during compute; only the comparison with steps() sees it."""
-    case = verify.Case("ring", world, "full", "float32", heads=4, kv_heads=2, head_dim=8, seq=48, seed=42)
+    case = exactness.Case("ring", world, "full", "float32", heads=4, kv_heads=2, head_dim=8, seq=48, seed=42)
     per_rank = worlds.get(world).run(serialised_ring_case, name="serialised ring", **dataclasses.asdict(case))
     assert not any(isinstance(r, RankError) for r in per_rank), per_rank
-    result = verify.check(case, per_rank)
-    assert not result.comm_mismatches and all(result.errors[q] <= result.tolerances[q] for q in verify.QUANTITIES)
+    result = exactness.check(case, per_rank)
+    assert not result.comm_mismatches and all(result.errors[q] <= result.tolerances[q] for q in exactness.QUANTITIES)
     assert not result.passed
     assert any("in flight during a kernel call" in m for m in result.spec_mismatches), result.spec_mismatches
     # the same case, unchanged, passes
-    assert verify.run(worlds.get(world), case).passed
+    assert exactness.run(worlds.get(world), case).passed
 
 
 def test_a_serialised_plan_fails(worlds):
     """The same for a schedule that plans: each rank's compiled program declares which of its messages
     are in flight across its kernel calls, and the serialising executor breaks that."""
-    case = verify.Case("ultra", 2, "sliding_window", "float32", heads=4, kv_heads=2, head_dim=8, seq=64, seed=3,
+    case = exactness.Case("ultra", 2, "sliding_window", "float32", heads=4, kv_heads=2, head_dim=8, seq=64, seed=3,
                        mask_args={"window": 12}, options=FAST_PLANS)
     per_rank = worlds.get(2).run(serialised_ring_case, name="serialised ultra", **dataclasses.asdict(case))
-    result = verify.check(case, per_rank)
-    assert not result.comm_mismatches and all(result.errors[q] <= result.tolerances[q] for q in verify.QUANTITIES)
+    result = exactness.check(case, per_rank)
+    assert not result.comm_mismatches and all(result.errors[q] <= result.tolerances[q] for q in exactness.QUANTITIES)
     assert any("in flight during a kernel call" in m for m in result.spec_mismatches), result.spec_mismatches
-    assert verify.run(worlds.get(2), case).passed
+    assert exactness.run(worlds.get(2), case).passed
 
 
 # ---------------------------------------------------------------------------------- the comparison itself
@@ -161,23 +161,23 @@ def _events(*items) -> list[dict]:
 def test_check_steps_counts_overlap():
     overlapped = _events(("issue", 0, "send", 64, 0), ("issue", 0, "recv", 0, 64), ("compute",), ("wait", 0),
                          ("compute",))
-    rep = verify.check_steps(STEPS, overlapped, rank=0, world=2)
+    rep = exactness.check_steps(STEPS, overlapped, rank=0, world=2)
     assert rep == {"problems": [], "overlapped": 1, "computes": 2}
-    assert verify.expected_overlap(STEPS) == (2, 4)  # one transfer per rank in flight; 2 kernels per rank
+    assert exactness.expected_overlap(STEPS) == (2, 4)  # one transfer per rank in flight; 2 kernels per rank
     serial = _events(("issue", 0, "send", 64, 0), ("issue", 0, "recv", 0, 64), ("wait", 0), ("compute",),
                      ("compute",))
-    assert verify.check_steps(STEPS, serial, rank=0, world=2)["overlapped"] == 0
+    assert exactness.check_steps(STEPS, serial, rank=0, world=2)["overlapped"] == 0
 
 
 def test_check_steps_names_undeclared_missing_and_unwaited_messages():
     wrong_size = _events(("issue", 0, "send", 32, 0), ("issue", 0, "recv", 0, 32), ("wait", 0))
-    problems = verify.check_steps(STEPS, wrong_size, rank=1, world=2)["problems"]
+    problems = exactness.check_steps(STEPS, wrong_size, rank=1, world=2)["problems"]
     assert any("does not declare" in p for p in problems) and any("never ran" in p for p in problems)
     unwaited = _events(("issue", 0, "send", 64, 0), ("issue", 0, "recv", 0, 64), ("compute",))
-    assert any("never waited" in p for p in verify.check_steps(STEPS, unwaited, rank=0, world=2)["problems"])
+    assert any("never waited" in p for p in exactness.check_steps(STEPS, unwaited, rank=0, world=2)["problems"])
     late = [Step((CommOp("broadcast", 8, root=0),)), Step((CommOp("all_reduce", 8),))]
     swapped = _events(("issue", 0, "all_reduce", 8, 8), ("wait", 0), ("issue", 1, "broadcast", 0, 8), ("wait", 1))
-    assert any("after an op of step" in p for p in verify.check_steps(late, swapped, rank=1, world=2)["problems"])
+    assert any("after an op of step" in p for p in exactness.check_steps(late, swapped, rank=1, world=2)["problems"])
 
 
 def test_a_plan_compiles_into_each_ranks_executor_steps(tmp_path, monkeypatch):

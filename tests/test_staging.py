@@ -11,7 +11,7 @@ import pytest
 import staging_workers
 import torch
 
-from cpattn import schedules, verify
+from cpattn import exactness, schedules
 from cpattn.core import staging
 from cpattn.core.staging import STAGE_ENV, Stager, StagingPool
 from cpattn.launcher import WorldError
@@ -151,7 +151,7 @@ def test_which_tensors_are_staged(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- every schedule, staged
-def _cases() -> list[verify.Case]:
+def _cases() -> list[exactness.Case]:
     """Every registered schedule at P=2, GQA 4:2: causal and packed documents (the full mask for the
     bidirectional-only ones)."""
     cases = []
@@ -159,7 +159,7 @@ def _cases() -> list[verify.Case]:
         sched = schedules.get(name)
         options = {"plan_options": PLAN_OPTIONS} if (sched.make_plan is not None) else None
         for mask in ("causal", "document") if sched.causal else ("full",):
-            found = verify.matrix([name], worlds=(2,), subgroup=False, masks=(mask,), dtypes=("float32",),
+            found = exactness.matrix([name], worlds=(2,), subgroup=False, masks=(mask,), dtypes=("float32",),
                                   heads=((4, 2),), seq=SEQ)
             cases += [dataclasses.replace(c, seed=100 + len(cases), options=options) for c in found]
     return cases
@@ -169,7 +169,7 @@ CASES = _cases()
 
 
 def test_cases_cover_every_schedule():
-    """verify.matrix leaves out what a schedule rejects: none may drop out silently."""
+    """exactness.matrix leaves out what a schedule rejects: none may drop out silently."""
     causal = {n for n in schedules.names() if schedules.get(n).causal}
     assert {(c.schedule, c.mask) for c in CASES} == ({(n, m) for n in causal for m in ("causal", "document")}
                                                      | {(n, "full") for n in set(schedules.names()) - causal})
@@ -184,7 +184,7 @@ def test_schedule_is_exact_through_staged_transfers(worlds, case):
                                              **dataclasses.asdict(case))
     except WorldError as exc:
         pytest.fail(str(exc))
-    result = verify.check(case, per_rank)
+    result = exactness.check(case, per_rank)
     assert result.passed, result.describe()
     for r in per_rank:
         assert r["staging"]["calls"] > 0 and r["staging"]["staged"] == r["staging"]["calls"], r["staging"]

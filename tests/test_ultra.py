@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from cpattn import verify
+from cpattn import exactness
 
 #: planner settings for the tests: small solver budgets (plans are still exact, only less tuned)
 TEST_OPTIONS = {"time_budget": 1.0, "partition_time_limit": 0.3, "schedule_time_limit": 0.3}
@@ -59,8 +59,8 @@ def ultra_worlds(worlds):
     return worlds
 
 
-def _case(*args, **kwargs) -> verify.Case:
-    return verify.Case("ultra", *args, options={"plan_options": TEST_OPTIONS}, **kwargs)
+def _case(*args, **kwargs) -> exactness.Case:
+    return exactness.Case("ultra", *args, options={"plan_options": TEST_OPTIONS}, **kwargs)
 
 
 def _random_table(seed: int, n: int) -> list[list[int]]:
@@ -69,14 +69,14 @@ def _random_table(seed: int, n: int) -> list[list[int]]:
     return [[2 if i == j else rng.choice([0, 0, 1, 2]) if j < i else 0 for j in range(n)] for i in range(n)]
 
 
-def _cases() -> list[verify.Case]:
+def _cases() -> list[exactness.Case]:
     cases = []
     heads = ((4, 4), (8, 2))
     for n, (world, topo) in enumerate(PLACES):
         for m, mask in enumerate(MASKS):
             h, hkv = heads[(n + m) % 2]
             cases.append(_case(world, mask, "float32", heads=h, kv_heads=hkv, head_dim=8, seq=64,
-                                     topology=topo, mask_args=verify.example_mask_args(mask, 64), seed=n * 10 + m))
+                                     topology=topo, mask_args=exactness.example_mask_args(mask, 64), seed=n * 10 + m))
         table = _random_table(world, 16)
         cases.append(_case(world, "block_table", "float32", heads=8, kv_heads=2, head_dim=8, seq=128,
                                  topology=topo, mask_args={"table": table, "block_size": 8}, seed=100 + world))
@@ -93,7 +93,7 @@ FAST = [c for c in CASES if c.world < 8] + [next(c for c in CASES if c.world == 
 @pytest.mark.parametrize("case", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CASES],
                          ids=[c.label[:90] for c in CASES])
 def test_ultra_is_exact(ultra_worlds, case):
-    result = verify.run(ultra_worlds.get(case.world), case)
+    result = exactness.run(ultra_worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
@@ -104,7 +104,7 @@ def test_ultra_is_exact(ultra_worlds, case):
     _case(2, "causal", "float32", seq=64, backend="math", seed=203),
 ], ids=lambda c: c.label[:90])
 def test_ultra_dtypes_padding_and_backends(ultra_worlds, case):
-    result = verify.run(ultra_worlds.get(case.world), case)
+    result = exactness.run(ultra_worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 
@@ -155,7 +155,7 @@ def test_strided_by_the_world_size_runs_locally_and_exactly(ultra_worlds, world,
     assert {r["layout"] for r in runs} == {"ultra-round-robin-4"} and all(r["sent"] == 0 for r in runs), runs
     case = _case(world, "strided", "float32", heads=4, kv_heads=2, head_dim=8, seq=seq,
                        topology=topology, mask_args={k: v for k, v in mask.items() if k != "kind"}, seed=300 + world)
-    result = verify.run(ultra_worlds.get(world), case)
+    result = exactness.run(ultra_worlds.get(world), case)
     assert result.passed, result.describe()
 
 
@@ -163,16 +163,16 @@ def test_strided_by_the_world_size_runs_locally_and_exactly(ultra_worlds, world,
     _case(4, "causal", "float32", heads=4, kv_heads=2, head_dim=8, seq=64, topology=(2, 2),
                 layout="zigzag", seed=310),
     _case(4, "document", "float32", heads=8, kv_heads=2, head_dim=8, seq=128, topology=(2, 2),
-                layout="balanced", mask_args=verify.example_mask_args("document", 128), seed=311),
+                layout="balanced", mask_args=exactness.example_mask_args("document", 128), seed=311),
     _case(2, "sliding_window", "float32", heads=4, kv_heads=4, head_dim=8, seq=96,
                 layout="balanced", mask_args={"window": 11}, seed=312),
     _case(2, "strided", "bfloat16", heads=4, kv_heads=2, head_dim=8, seq=250,
                 mask_args={"block_size": 16, "stride": 2}, seed=313),  # padded to 256, then round-robin
     _case(8, "global_local", "float32", heads=4, kv_heads=4, head_dim=8, seq=128, topology=(2, 4),
-                layout="zigzag", mask_args=verify.example_mask_args("global_local", 128), seed=314),
+                layout="zigzag", mask_args=exactness.example_mask_args("global_local", 128), seed=314),
 ], ids=lambda c: c.label[:90])
 def test_ultra_runs_on_other_owner_maps(ultra_worlds, case):
     """Layouts given by the user (zigzag, balanced) and the round-robin one with padding: the plan holds
     the sequence reordered and the executor maps every cell back."""
-    result = verify.run(ultra_worlds.get(case.world), case)
+    result = exactness.run(ultra_worlds.get(case.world), case)
     assert result.passed, result.describe()

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn import verify
+from cpattn import exactness
 from cpattn.core.steps import Problem
 from cpattn.cost import Topology
 from cpattn.launcher import RankError
@@ -22,32 +22,32 @@ KINDS = ["causal", "full", "sliding_window", "document", "strided", "global_loca
                                            {"kind": "sliding_window", "window": 6, "causal": False}]})]
 # 6 query heads, 3 kv heads: Ulysses degree 3 splits kv heads, degree 2 gives each rank one kv head per
 # query head (3 kv heads do not split over 2 ranks, nor 2 ranks over 3 kv heads)
-CASES = verify.matrix(["ulysses", "usp"], worlds=(2, 3), subgroup=False, masks=tuple(KINDS), dtypes=("float32",),
+CASES = exactness.matrix(["ulysses", "usp"], worlds=(2, 3), subgroup=False, masks=tuple(KINDS), dtypes=("float32",),
                       heads=((6, 3),), seed=2000)
 EXTRA = [
     # 2-D USP: a 2 x 2 topology puts Ulysses inside each node and the ring across the nodes
-    *[verify.Case("usp", 4, m, heads=8, kv_heads=2, topology=(2, 2), mask_args=verify.example_mask_args(m, 48),
+    *[exactness.Case("usp", 4, m, heads=8, kv_heads=2, topology=(2, 2), mask_args=exactness.example_mask_args(m, 48),
                   seed=2100 + i) for i, m in enumerate(["causal", "document", "block_table", "global_local"])],
     # 2-D USP without a topology: the largest degree dividing 6 heads and 4 ranks is 2
-    *[verify.Case("usp", 4, m, heads=6, kv_heads=2, mask_args=verify.example_mask_args(m, 48), seed=2110 + i)
+    *[exactness.Case("usp", 4, m, heads=6, kv_heads=2, mask_args=exactness.example_mask_args(m, 48), seed=2110 + i)
       for i, m in enumerate(["sliding_window", "streaming"])],
     # P > h_kv: every kv head goes to P / h_kv ranks (GQA 8:2 and MQA 4:1 on 4 ranks)
-    verify.Case("ulysses", 4, "causal", heads=8, kv_heads=2, seed=2120),
-    verify.Case("ulysses", 4, "strided", heads=4, kv_heads=1, mask_args=verify.example_mask_args("strided", 48),
+    exactness.Case("ulysses", 4, "causal", heads=8, kv_heads=2, seed=2120),
+    exactness.Case("ulysses", 4, "strided", heads=4, kv_heads=1, mask_args=exactness.example_mask_args("strided", 48),
                 seed=2121),
     # subgroups of a 4-rank world
-    *[verify.Case(s, 4, m, heads=4, kv_heads=2, group=(1, 3), mask_args=verify.example_mask_args(m, 48),
+    *[exactness.Case(s, 4, m, heads=4, kv_heads=2, group=(1, 3), mask_args=exactness.example_mask_args(m, 48),
                   seed=2130 + i) for i, (s, m) in enumerate([("ulysses", "document"), ("usp", "causal"),
                                                              ("ulysses", "star"), ("usp", "global_local")])],
     # low precision
-    verify.Case("ulysses", 2, "document", "bfloat16", heads=4, kv_heads=2,
-                mask_args=verify.example_mask_args("document", 48), seed=2140),
-    verify.Case("usp", 4, "causal", "bfloat16", heads=8, kv_heads=2, topology=(2, 2), seed=2141),
-    verify.Case("usp", 3, "sliding_window", "float16", heads=6, kv_heads=6, head_dim=32, seq=64,
+    exactness.Case("ulysses", 2, "document", "bfloat16", heads=4, kv_heads=2,
+                mask_args=exactness.example_mask_args("document", 48), seed=2140),
+    exactness.Case("usp", 4, "causal", "bfloat16", heads=8, kv_heads=2, topology=(2, 2), seed=2141),
+    exactness.Case("usp", 3, "sliding_window", "float16", heads=6, kv_heads=6, head_dim=32, seq=64,
                 mask_args={"window": 9}, seed=2142),
     # world size 1
-    verify.Case("ulysses", 1, "causal", seed=2150),
-    verify.Case("usp", 1, "document", mask_args=verify.example_mask_args("document", 48), seed=2151),
+    exactness.Case("ulysses", 1, "causal", seed=2150),
+    exactness.Case("usp", 1, "document", mask_args=exactness.example_mask_args("document", 48), seed=2151),
 ]
 
 
@@ -58,7 +58,7 @@ def test_matrix_covers_every_mask_and_world():
 
 @pytest.mark.parametrize("case", CASES + EXTRA, ids=[c.label for c in CASES + EXTRA])
 def test_is_exact(worlds, case):
-    result = verify.run(worlds.get(case.world), case)
+    result = exactness.run(worlds.get(case.world), case)
     assert result.passed, result.describe()
 
 

@@ -262,7 +262,7 @@ def topology_on_subgroup(schedule: str) -> dict:
         return {"member": False}
     try:
         cpattn.ContextParallel(64, "causal" if schedule == "ringx3" else "full", schedule, group=group,
-                               topology=cpattn.Topology(2, 2))
+                               topology=cpattn.cost.Topology(2, 2))
     except Exception as exc:
         return {"member": True, "type": type(exc).__name__, "message": str(exc)}
     return {"member": True, "type": None, "message": ""}
@@ -289,7 +289,7 @@ def mesh_shape_mismatch() -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp_inter", "cp_intra"))
     try:
-        cpattn.ContextParallel(64, "causal", "ringx3", group=mesh, topology=cpattn.Topology(1, 4))
+        cpattn.ContextParallel(64, "causal", "ringx3", group=mesh, topology=cpattn.cost.Topology(1, 4))
     except Exception as exc:
         return {"type": type(exc).__name__, "message": str(exc)}
     return {"type": None, "message": ""}

@@ -28,8 +28,8 @@ from .. import memory
 from ..core import masks, trace
 from ..core.kernels import DTYPES
 from ..core.steps import attention_flops
-from ..kernel_calls import kernel_calls, shape_of
-from ..verify import assemble
+from ..exactness import assemble
+from ..timed_calls import kernel_calls, shape_of
 
 #: relative error against the one-process result above which a schedule is reported wrong
 CHECK_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2, "float16": 1e-2}

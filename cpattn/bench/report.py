@@ -14,7 +14,7 @@ import statistics
 import numpy as np
 
 from ..core import masks
-from ..kernel_calls import square_kernel
+from ..timed_calls import square_kernel
 from ..timeline import chrome_trace, draw, fraction_text, lanes
 from .measure import emulated_topology
 

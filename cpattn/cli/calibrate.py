@@ -38,7 +38,7 @@ def _spread_table(spread: dict, common: dict, limit: float):
     (``spread``) and at a common speed (``common``)."""
     from rich.table import Table
 
-    from ..lab.calibrate import is_rate
+    from ..lab.machine_profile import is_rate
 
     t = Table(title="difference between the calibrations (rates: largest / smallest - 1)",
               caption="at a common speed: each calibration's figures over its overall speed (median kernel rate "
@@ -65,15 +65,16 @@ def _spread_table(spread: dict, common: dict, limit: float):
 def _print_spread(out, profiles: list) -> None:
     """How much ``profiles`` (calibrations of one machine) differ on every figure, as measured and at a
     common speed, and each one's overall speed."""
-    from ..lab import calibrate
+    from ..lab import machine_profile
 
-    spread = calibrate.spread(profiles)
-    speeds = calibrate.levels(profiles)
-    common = calibrate.spread([calibrate.at_speed(p, 1.0 / v) for p, v in zip(profiles, speeds, strict=True)])
+    spread = machine_profile.spread(profiles)
+    speeds = machine_profile.levels(profiles)
+    common = machine_profile.spread([machine_profile.at_speed(p, 1.0 / v)
+                                     for p, v in zip(profiles, speeds, strict=True)])
     limit = 0.05
     out.print(_spread_table(spread, common, limit))
     for label, figures in (("", spread), (" at a common speed", common)):
-        diffs = [(d, name) for name, (_, _, d) in figures.items() if calibrate.is_rate(name)]
+        diffs = [(d, name) for name, (_, _, d) in figures.items() if machine_profile.is_rate(name)]
         if diffs:
             worst = max(diffs)
             out.print(f"largest difference between the calibrations{label}: {worst[0]:.1%} ({worst[1]}); "
@@ -110,9 +111,9 @@ def _gpu_profiles(args) -> list:
         raise ValueError("--date dates a --from-gpu-check report; a measurement is dated when it runs")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..lab import calibrate
+    from ..lab import machine_profile
 
-    settings = calibrate.GPU_QUICK if args.quick else calibrate.GpuSettings()
+    settings = machine_profile.GPU_QUICK if args.quick else machine_profile.GpuSettings()
     if args.kernel_path:
         from dataclasses import replace
 
@@ -126,7 +127,7 @@ def _gpu_profiles(args) -> list:
             def update(what: str, done: int, total: int, task=task) -> None:
                 progress.update(task, description=what, completed=done, total=total)
 
-            profiles.append(calibrate.calibrate_gpu(settings, "cuda", progress=update))
+            profiles.append(machine_profile.calibrate_gpu(settings, "cuda", progress=update))
     return profiles
 
 
@@ -168,13 +169,13 @@ def run(args) -> int:
     from rich.table import Table
 
     from ..cost import profile
-    from ..lab import calibrate
+    from ..lab import machine_profile
 
     if args.repeat < 1:
         raise SystemExit(f"cpattn calibrate: --repeat must be at least 1, got {args.repeat}")
     if args.from_gpu_check or args.device == "cuda" or (args.device == "auto" and _cuda_visible()):
         profiles = _gpu_profiles(args)
-        prof = calibrate.combine(profiles) if len(profiles) > 1 else profiles[0]
+        prof = machine_profile.combine(profiles) if len(profiles) > 1 else profiles[0]
         path = profile.save(prof, args.profile)
         out = stdout()
         _print_gpu(out, prof)
@@ -182,7 +183,7 @@ def run(args) -> int:
             _print_spread(out, profiles)
         out.print(f"wrote {path}")
         return 0
-    settings = calibrate.QUICK if args.quick else calibrate.Settings()
+    settings = machine_profile.QUICK if args.quick else machine_profile.Settings()
     profiles, warnings = [], []
     with Progress(TextColumn("calibrate: {task.description}"), BarColumn(), TimeElapsedColumn(), console=stderr(),
                   transient=True) as progress:
@@ -193,11 +194,11 @@ def run(args) -> int:
             def update(what: str, done: int, total: int, task=task, where=where) -> None:
                 progress.update(task, description=where + what, completed=done, total=total)
 
-            watch = calibrate.Interference()
-            profiles.append(calibrate.calibrate(settings, progress=update, interference=watch))
+            watch = machine_profile.Interference()
+            profiles.append(machine_profile.calibrate(settings, progress=update, interference=watch))
             if watch.warning():
                 warnings.append(f"calibration {n + 1}: {watch.warning()}" if args.repeat > 1 else watch.warning())
-    prof = calibrate.combine(profiles) if len(profiles) > 1 else profiles[0]
+    prof = machine_profile.combine(profiles) if len(profiles) > 1 else profiles[0]
     path = profile.save(prof, args.profile)
     out, err = stdout(), stderr()
     out.print(f"{prof.ranks} ranks x {prof.threads_per_rank} threads on {prof.cores} cores; kernel shape "

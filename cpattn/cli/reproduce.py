@@ -1,7 +1,7 @@
 """``cpattn reproduce ringx`` and ``cpattn reproduce ultraattn``: the papers' evaluations in the cost model.
 
 Each prints its tables, draws a PNG in the paper's style and optionally writes JSON; the computation
-(grids, speedups, the bandwidth bisection) is :mod:`cpattn.lab.reproduce`, which only calls
+(grids, speedups, the bandwidth bisection) is :mod:`cpattn.lab.papers`, which only calls
 ``cost.estimate`` and ``cost.preset``.
 """
 
@@ -21,7 +21,7 @@ ULTRA_DEFAULT = {"seq": [65536], "gpus": [8, 64], "heads": [1, 32]}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from ..lab import reproduce as r
+    from ..lab import papers as r
 
     p = sub.add_parser("reproduce", help="reproduce RingX's or UltraAttn's evaluation in the cost model")
     papers = p.add_subparsers(dest="paper", required=True)
@@ -101,7 +101,7 @@ def _gbs(bw: float | None) -> str:
 def run_ringx(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..lab import reproduce as r
+    from ..lab import papers as r
 
     start = time.perf_counter()
     masks = args.masks
@@ -234,7 +234,7 @@ def plot_ringx(cases: dict, masks: list[str], models: list, shapes: list, target
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..lab import reproduce as r
+    from ..lab import papers as r
 
     cols = [(m, s) for m in models for s in shapes]
     fig, axes = plt.subplots(len(masks), len(cols), figsize=(3.6 * len(cols) + 1, 3.2 * len(masks) + 0.6),
@@ -278,7 +278,7 @@ def run_ultraattn(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .. import schedules
-    from ..lab import reproduce as r
+    from ..lab import papers as r
     from ..planner.cache import cache_dir
 
     grid_defaults = ULTRA_FULL if args.full else ULTRA_DEFAULT

@@ -26,7 +26,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _matrix_mask(spec: str | dict):
-    """A ``--masks`` item as ``verify.matrix`` takes it: a kind name, or ``(kind, arguments)``."""
+    """A ``--masks`` item as ``exactness.matrix`` takes it: a kind name, or ``(kind, arguments)``."""
     from ..core.masks import KINDS
 
     kind = spec if isinstance(spec, str) else spec.get("kind") if isinstance(spec, dict) else None
@@ -38,23 +38,23 @@ def _matrix_mask(spec: str | dict):
 
 
 def cases(args) -> list:
-    """The ``verify.Case`` list the arguments ask for (a ValueError for an unknown schedule, mask kind or
+    """The ``exactness.Case`` list the arguments ask for (a ValueError for an unknown schedule, mask kind or
     dtype), built before any process starts."""
+    from .. import exactness
     from .. import schedules as registry
-    from .. import verify
 
     names = args.schedules or registry.names()
-    unknown = [d for d in args.dtypes if d not in verify.DTYPES]
+    unknown = [d for d in args.dtypes if d not in exactness.DTYPES]
     if unknown:
-        raise ValueError(f"--dtypes {','.join(unknown)}: accepted: {', '.join(verify.DTYPES)}")
-    return verify.matrix(names, worlds=tuple(args.world), subgroup=not args.no_subgroup and 4 in args.world,
+        raise ValueError(f"--dtypes {','.join(unknown)}: accepted: {', '.join(exactness.DTYPES)}")
+    return exactness.matrix(names, worlds=tuple(args.world), subgroup=not args.no_subgroup and 4 in args.world,
                          masks=tuple(_matrix_mask(m) for m in args.masks), dtypes=tuple(args.dtypes), seed=args.seed)
 
 
 def run(args) -> int:
     from rich.progress import Progress
 
-    from .. import verify
+    from .. import exactness
     from ..core.comm import POISON_ENV
     from ..launcher import LocalWorld
 
@@ -69,17 +69,17 @@ def run(args) -> int:
                 w = worlds.get(case.world)
                 if w is None or not w.alive:
                     w = worlds[case.world] = LocalWorld(case.world, env={POISON_ENV: "1"})
-                results.append(verify.run(w, case, timeout=args.timeout))
+                results.append(exactness.run(w, case, timeout=args.timeout))
                 progress.advance(task)
     finally:
         for w in worlds.values():
             w.close()
     cols = [Column("case", "left", wrap=True, min_width=24), Column("result", "left"),
-            *[Column(q, drop=len(verify.QUANTITIES) - k) for k, q in enumerate(verify.QUANTITIES)],
+            *[Column(q, drop=len(exactness.QUANTITIES) - k) for k, q in enumerate(exactness.QUANTITIES)],
             Column("max err/tol"), Column("comm")]
     rows = []
     for r in results:
-        cells = [f"{r.errors[q]:.1e}" if q in r.errors else "-" for q in verify.QUANTITIES]
+        cells = [f"{r.errors[q]:.1e}" if q in r.errors else "-" for q in exactness.QUANTITIES]
         comm = "[red]differs[/red]" if r.comm_mismatches else ("-" if r.failure else "ok")
         verdict = "[green]pass[/green]" if r.passed else "[red]FAIL[/red]"
         ratio = max((r.errors[q] / r.tolerances[q] for q in r.errors), default=float("nan"))

@@ -7,7 +7,7 @@ compute (:class:`~cpattn.core.steps.Attend`, :class:`~cpattn.core.steps.AttendBa
 such a list on one rank: per step it issues the ops, runs the compute while they are in flight, waits
 for them, runs the step's ``after`` actions, and drops the buffers no later step uses. So issue and
 wait order, double buffering and the overlap of transfers with compute live here, once, and the
-recording check (``cpattn.verify.check_steps``) holds the run to the very steps it was given.
+recording check (``cpattn.exactness.check_steps``) holds the run to the very steps it was given.
 
 Also here: :class:`Runtime` (what a call needs, identical on every rank), :class:`Accumulators`
 (output and lse accumulators whose written rows are known on the host, so nothing is read back from

@@ -12,7 +12,7 @@ block, which ``flex_cuda`` turns into a block mask and the other paths into the 
 - ``forward_stacked`` / ``backward_stacked``: the same for ``pieces`` blocks of one kind and shape
   stacked along the batch dimension, in one call (``cpattn.core.blocks.batches``); PARTIAL ones with their
   masks stacked ``[pieces, s_q, s_kv]`` (every PARTIAL path takes one mask per batch row,
-  ``kernels_cuda.per_row_mask``)
+  ``cuda_ops.per_row_mask``)
 
 Results are in the *accumulation dtype* (:func:`acc_dtype`: float32, or float64 for float64 inputs) so
 schedules merge and sum them without extra casts. The backward takes the *final* ``out`` and ``lse``
@@ -36,7 +36,7 @@ Each call runs one named *kernel path* (:data:`PATHS`), chosen by the pure funct
 - ``math``: plain torch, chunked over queries so memory stays bounded; float64, low-precision PARTIAL
   blocks off CUDA, and whatever no fused kernel fits. It is also the reference-quality path.
 
-The CUDA op wrappers live in :mod:`cpattn.core.kernels_cuda`. A path whose op has no grouped-query support
+The CUDA op wrappers live in :mod:`cpattn.core.cuda_ops`. A path whose op has no grouped-query support
 gets its key/value heads expanded (:func:`expand_kv`) and its dk/dv summed back over each group
 (:func:`reduce_kv_grad`), in float32.
 
@@ -54,14 +54,14 @@ from typing import Any
 
 import torch
 
-from . import kernel_table, kernels_cuda, trace
+from . import cuda_ops, kernel_order, trace
 from .flex_masks import Region
 from .masks import BlockKind, CausalMask, FullMask
 
 BACKENDS = ("auto", "aten", "flash_attn", "flash_attn3", "flash_attn4", "math")
 #: backends that pin an optional package's kernel: FlashAttention-2, -3 (``flash_attn_interface``), -4
 #: (``flash_attn.cute``); each is also the name of its kernel path
-PACKAGE_BACKENDS = tuple(kernels_cuda.FLASH_ATTN_MODULES)
+PACKAGE_BACKENDS = tuple(cuda_ops.FLASH_ATTN_MODULES)
 #: every kernel path :func:`choose_kernel` can return
 PATHS = ("flash_cpu", "flash_cuda", "cudnn_cuda", "efficient_cuda", "flex_cuda", *PACKAGE_BACKENDS, "math")
 #: paths whose backward takes ``delta = rowsum(dout * out)`` in place of ``out``
@@ -127,7 +127,7 @@ def _flash_attn_missing(backend: str) -> ImportError:
 def _installed(backend: str) -> bool:
     """Whether the module of package backend ``backend`` can be imported (a missing parent is missing too)."""
     try:
-        return importlib.util.find_spec(kernels_cuda.FLASH_ATTN_MODULES[backend]) is not None
+        return importlib.util.find_spec(cuda_ops.FLASH_ATTN_MODULES[backend]) is not None
     except ModuleNotFoundError:
         return False
 
@@ -182,7 +182,7 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
     float16 blocks of fewer than :data:`CPU_FLASH_MIN_KEYS_LOW_PRECISION` keys (``kv_len``).
     CUDA: PARTIAL blocks take ``flex_cuda`` when it fits; FULL and CAUSAL blocks take the package a
     :data:`PACKAGE_BACKENDS` backend names when it fits, else the first path of the measured order for the
-    GPU's ``capability``, dtype and head dim (:func:`cpattn.core.kernel_table.cuda_order`; None: a GPU not
+    GPU's ``capability``, dtype and head dim (:func:`cpattn.core.kernel_order.cuda_order`; None: a GPU not
     measured) that is available and fits; with none, ``auto`` and the package backends fall back to ``math``
     while ``aten`` raises ValueError (it promised a fused kernel). Other devices run ``math`` (``aten`` raises).
 
@@ -212,7 +212,7 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, kind: Blo
         return "flex_cuda" if flex else "math"
     if backend in PACKAGE_BACKENDS and kernel_fits(backend, dtype, head_dim):
         return backend
-    for path in kernel_table.cuda_order(capability, dtype_name(dtype), head_dim):
+    for path in kernel_order.cuda_order(capability, dtype_name(dtype), head_dim):
         if path in available and kernel_fits(path, dtype, head_dim):
             return path
     if backend == "aten":
@@ -258,7 +258,7 @@ def _cuda_paths(index: int) -> frozenset[str]:
         "efficient_cuda": (major, minor) >= (5, 0),
         "flash_cuda": ampere and torch.backends.cuda.is_flash_attention_available(),
         "cudnn_cuda": ampere and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90000,
-        "flex_cuda": ampere and kernels_cuda.flex_supported(),
+        "flex_cuda": ampere and cuda_ops.flex_supported(),
         "flash_attn": ampere and _installed("flash_attn"),
         "flash_attn3": major == 9 and _installed("flash_attn3"),  # built for Hopper only
         "flash_attn4": major in (9, 10) and _installed("flash_attn4"),
@@ -327,12 +327,12 @@ def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _cpu_flash_forward(q, k, v, kind, scale, mask):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    dense = kernels_cuda.per_row_mask(mask, q.shape[0], q.device) if kind == BlockKind.PARTIAL else None
+    dense = cuda_ops.per_row_mask(mask, q.shape[0], q.device) if kind == BlockKind.PARTIAL else None
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qt, kt, vt, 0.0, kind == BlockKind.CAUSAL, attn_mask=None if dense is None else _bias(dense, q.dtype),
         scale=scale)
     if dense is not None:  # the op gives a row with no allowed key out 0 and lse 0; the contract says -inf
-        lse = lse.masked_fill(kernels_cuda.empty_rows(dense).unsqueeze(-2), float("-inf"))
+        lse = lse.masked_fill(cuda_ops.empty_rows(dense).unsqueeze(-2), float("-inf"))
     return out.transpose(1, 2), lse
 
 
@@ -342,7 +342,7 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, kind, scale, mask):
     lse = lse.to(acc_dtype(q.dtype)).contiguous()
     bias = None
     if kind == BlockKind.PARTIAL:
-        bias = _bias(kernels_cuda.per_row_mask(mask, q.shape[0], q.device), q.dtype)
+        bias = _bias(cuda_ops.per_row_mask(mask, q.shape[0], q.device), q.dtype)
         # a row with no key anywhere has lse -inf, and the op's exp(-inf - lse) would be NaN: any finite
         # lse gives its masked scores weight 0 (a row this block masks but others reach has a finite one)
         lse = lse.masked_fill(torch.isneginf(lse), 0.0)
@@ -372,7 +372,7 @@ def _scores(qc: torch.Tensor, kf: torch.Tensor, scale: float, softcap: float | N
     elif mask.dim() == 2:
         allowed = mask[r0:r1].to(qc.device)
     else:
-        allowed = kernels_cuda.per_row_mask(mask[:, r0:r1], qc.shape[0], qc.device)[:, None, None]
+        allowed = cuda_ops.per_row_mask(mask[:, r0:r1], qc.shape[0], qc.device)[:, None, None]
     return s.masked_fill(~allowed, float("-inf")), tanh
 
 
@@ -434,17 +434,17 @@ def default_scale(head_dim: int) -> float:
 
 _FORWARD: dict[str, Callable] = {
     "flash_cpu": _cpu_flash_forward, "math": _math_forward,
-    "flash_cuda": kernels_cuda.flash_forward, "cudnn_cuda": kernels_cuda.cudnn_forward,
-    "efficient_cuda": kernels_cuda.efficient_forward, "flex_cuda": kernels_cuda.flex_forward,
-    "flash_attn": kernels_cuda.flash_attn_forward, "flash_attn3": kernels_cuda.flash_attn3_forward,
-    "flash_attn4": kernels_cuda.flash_attn4_forward,
+    "flash_cuda": cuda_ops.flash_forward, "cudnn_cuda": cuda_ops.cudnn_forward,
+    "efficient_cuda": cuda_ops.efficient_forward, "flex_cuda": cuda_ops.flex_forward,
+    "flash_attn": cuda_ops.flash_attn_forward, "flash_attn3": cuda_ops.flash_attn3_forward,
+    "flash_attn4": cuda_ops.flash_attn4_forward,
 }
 _BACKWARD: dict[str, Callable] = {
     "flash_cpu": _cpu_flash_backward, "math": _math_backward,
-    "flash_cuda": kernels_cuda.flash_backward, "cudnn_cuda": kernels_cuda.cudnn_backward,
-    "efficient_cuda": kernels_cuda.efficient_backward, "flex_cuda": kernels_cuda.flex_backward,
-    "flash_attn": kernels_cuda.flash_attn_backward, "flash_attn3": kernels_cuda.flash_attn3_backward,
-    "flash_attn4": kernels_cuda.flash_attn4_backward,
+    "flash_cuda": cuda_ops.flash_backward, "cudnn_cuda": cuda_ops.cudnn_backward,
+    "efficient_cuda": cuda_ops.efficient_backward, "flex_cuda": cuda_ops.flex_backward,
+    "flash_attn": cuda_ops.flash_attn_backward, "flash_attn3": cuda_ops.flash_attn3_backward,
+    "flash_attn4": cuda_ops.flash_attn4_backward,
 }
 
 

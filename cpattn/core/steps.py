@@ -3,7 +3,7 @@
 A schedule's ``steps(problem, phase, topology)`` (see :class:`cpattn.schedules.base.Schedule`) returns
 a list of :class:`Step`: the one description of its communication and compute. Its per-rank byte
 counts (``Schedule.volume``, through :meth:`CommOp.accounting` and :func:`payload`), the
-cost model's estimate and the recording tests (``cpattn.verify.check_steps``) all read it. Steps run in
+cost model's estimate and the recording tests (``cpattn.exactness.check_steps``) all read it. Steps run in
 order on every rank. A step is the interval between two points where
 ranks wait on each other (a transfer's ``wait``): it holds the kernel calls each rank runs (as a
 distribution: which :data:`Work` how many ranks do), the communication ops issued in it, and whether

@@ -4,7 +4,7 @@ Inside ``with cpattn.core.trace.recording() as events:`` every communicator call
 kernel computes appends one event (a dict) to ``events`` (a stacked call of several equal-shaped
 blocks, ``kernels.forward_stacked``, records one event per block, as ``steps()`` counts them);
 outside it nothing is recorded and the cost is a ``None`` check or two. Tests compare a recording with
-the schedule's ``steps()`` (what it declares to send and to overlap; see ``cpattn.verify.check_steps``).
+the schedule's ``steps()`` (what it declares to send and to overlap; see ``cpattn.exactness.check_steps``).
 
 - ``issue``: ``call`` (one id per communicator call), ``op`` (the accounting kind: send, recv,
   broadcast, ...), ``sent``, ``recv`` (payload bytes, as ``Communicator.stats()`` counts them);

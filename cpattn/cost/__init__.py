@@ -7,7 +7,7 @@ graphs on per-device lanes; ``presets.preset(name, world)`` builds Frontier, DGX
 DGX A100 (a GPU preset priced by a measured GPU profile when given one, ``cost.profile``) or the
 calibrated ``local`` machine. Problems, steps, topologies and devices are core data
 (``cpattn.core.steps``, ``cpattn.core.topology``), re-exported here; calibration, which runs processes, is a tool
-(``cpattn.lab.calibrate``).
+(``cpattn.lab.machine_profile``).
 """
 
 from ..core.pairs import PairWork, pair_work

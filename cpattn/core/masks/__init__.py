@@ -15,7 +15,7 @@ Two independent descriptions back every built-in mask:
   (in bounded chunks), so a rectangle of n rows costs O(n * intervals per row) and nothing of size
   n x m is built: a 1M-token sequence classifies in milliseconds to a fraction of a second.
 
-Tests check the two against each other on random rectangles, and ``cpattn.verify`` has a third,
+Tests check the two against each other on random rectangles, and ``cpattn.exactness`` has a third,
 pair-by-pair definition of every kind for its reference. Masks combine with ``a & b`` (pairs both
 allow) and ``a | b`` (pairs either allows). ``spec()`` / :func:`from_spec` turn a built-in mask into
 JSON-able data and back. :func:`from_mask_mod` wraps any predicate (classified from its dense form,
