@@ -1,14 +1,39 @@
-"""The default process group under torchrun (``python -m torch.distributed.run``).
+"""The default process group of a launched world: torchrun, SLURM's ``srun`` or ``mpirun``.
 
-:func:`init` reads the environment torchrun sets for every worker (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), picks the backend (NCCL when CUDA is available,
-else gloo), and sets the process-group timeout: how long a collective waits for the other ranks
-before it fails. The default, :data:`DEFAULT_TIMEOUT_S` (120 s), is far below the backends' own
+:func:`init` reads the environment the launcher set for this process (:func:`launch_env`, the one
+parser of launcher variables, in :mod:`cpattn.core.launch`), picks the backend (NCCL when CUDA is
+available, else gloo), and sets the process-group timeout: how long a collective waits for the other
+ranks before it fails. The default, :data:`DEFAULT_TIMEOUT_S` (120 s), is far below the backends' own
 (30 minutes for gloo, 10 for NCCL) so that a rank stuck on a dead peer fails in minutes, and far
 above the longest wait a healthy run has inside cpattn: group rank 0 builds an UltraAttn plan
 (``PlanOptions.time_budget``, 15 s by default) while the other ranks wait for it. Set
 ``$CPATTN_PG_TIMEOUT_S`` (seconds) to change it without editing the script, e.g. for longer plan
-budgets. Local worlds without torchrun: :mod:`cpattn.launcher`.
+budgets. Local worlds without a launcher: :mod:`cpattn.launcher`.
+
+Launchers (rank, world size, local rank: the GPU a rank takes; rank 0's address and port):
+
+- **torchrun** (one node or ``--nnodes N``): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+  ``MASTER_PORT`` (``LOCAL_WORLD_SIZE`` checked when set). All five are needed.
+- **SLURM** ``srun`` (one task per GPU, e.g. ``srun --ntasks-per-node 4 python train.py``; a step is
+  recognised by ``SLURM_STEP_ID``): ``SLURM_PROCID``, ``SLURM_LOCALID``, the step's task count
+  ``SLURM_STEP_NUM_TASKS`` (the allocation's ``SLURM_NTASKS`` only when the step has none); the address is
+  the first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``) in any of SLURM's forms
+  (``node[01-04,07]`` -> ``node01``, ``a,b`` -> ``a``, ``gpu-[3,5-6]`` -> ``gpu-3``, zero padding kept); the
+  port is 15000 + ``SLURM_JOB_ID`` mod 16000. An ``sbatch`` script's own shell (``SLURM_JOB_ID`` and the
+  like, no ``srun`` step) is not a launch: start the ranks with ``srun`` inside it.
+- **mpirun**: Open MPI's ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``, or MPICH's
+  (and Intel MPI's) ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID`` (``MPI_LOCALNRANKS``). On one host (the
+  local size equals the world size) the address is 127.0.0.1; across hosts set ``MASTER_ADDR`` to rank 0's
+  host for every process (``mpirun -x MASTER_ADDR=host0`` for Open MPI, ``-genv MASTER_ADDR host0`` for
+  MPICH). The port is 29500.
+
+A user's ``MASTER_ADDR`` and ``MASTER_PORT`` always win over derived ones. When several launchers' variables
+are set, the innermost wins: torchrun (e.g. one torchrun agent per node started by ``srun``), then
+``mpirun`` (whose daemons ``srun`` may start), then ``srun``. A partial or contradictory set (``WORLD_SIZE``
+without ``RANK``, ``RANK=3`` with ``WORLD_SIZE=2``, a nodelist that does not parse) is one ValueError
+naming the variables and their launcher. Without a process group, ``ContextParallel`` and the
+``*_attn_func`` entry points refuse to run when a launcher says the world has more than one process
+(:func:`cpattn.core.launch.no_group_error`): call :func:`init` first.
 
 A group that :func:`init` created is destroyed at interpreter exit (an ``atexit`` hook, :func:`shutdown`)
 unless the script destroyed it first, so a script that raises, or never calls
@@ -28,14 +53,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .core.launch import TORCHRUN_ENV, Launch, launch_env
+
 log = logging.getLogger(__name__)
 
 #: seconds a collective waits for the other ranks before it fails (see the module docstring)
 DEFAULT_TIMEOUT_S = 120.0
 #: environment variable that overrides :data:`DEFAULT_TIMEOUT_S` (seconds)
 TIMEOUT_ENV = "CPATTN_PG_TIMEOUT_S"
-#: what torchrun sets for each worker and :func:`init` needs
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("gloo", "nccl")
 
 
@@ -56,33 +81,26 @@ def timeout_seconds(timeout_s: float | None = None) -> float:
     return float(timeout_s)
 
 
-def _env_int(name: str) -> int:
-    text = os.environ[name]
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"${name} must be an integer, got {text!r}") from None
-
-
 def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[int, int, int, torch.device]:
-    """Initialise the default process group from the torchrun environment; returns
-    ``(rank, world_size, local_rank, device)``.
+    """Initialise the default process group from the launcher's environment (torchrun, ``srun`` or
+    ``mpirun``: see the module docstring); returns ``(rank, world_size, local_rank, device)``.
 
     ``backend``: ``"nccl"`` or ``"gloo"``; None picks NCCL when CUDA is available (and then uses GPU
     ``local_rank``, via ``torch.cuda.set_device``), else gloo on the CPU. ``timeout_s``: see
     :func:`timeout_seconds`. When the default group already exists (initialised by this function or
     the caller), nothing is changed and its figures are returned.
 
-    Raises RuntimeError when the torchrun variables are missing, ValueError on a bad backend, timeout
-    or variable.
+    Raises RuntimeError when no launcher started the process, ValueError on a partial or contradictory
+    set of launcher variables, a bad backend or timeout.
     """
-    missing = [name for name in TORCHRUN_ENV if not os.environ.get(name)]
-    if missing:
-        raise RuntimeError(f"cpattn.distributed.init needs the torchrun environment, but {', '.join(missing)} "
-                           f"{'is' if len(missing) == 1 else 'are'} not set: launch the script with torchrun "
-                           "(`torchrun --nproc-per-node N script.py` or `python -m torch.distributed.run ...`), "
-                           "or run functions on a local world with cpattn.launcher.LocalWorld")
-    rank, world, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    launch = launch_env(os.environ)
+    if launch is None:
+        raise RuntimeError(f"cpattn.distributed.init needs a launcher's environment, but {', '.join(TORCHRUN_ENV)} "
+                           "are not set (torchrun), nor is this an srun step or an mpirun process: launch the "
+                           "script with torchrun (`torchrun --nproc-per-node N script.py` or `python -m "
+                           "torch.distributed.run ...`), srun or mpirun, or run functions on a local world with "
+                           "cpattn.launcher.LocalWorld")
+    rank, world, local_rank = launch.rank, launch.world_size, launch.local_rank
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
     if backend not in BACKENDS:
@@ -95,15 +113,24 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> tuple[in
     seconds = timeout_seconds(timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=_init_method(launch), rank=rank, world_size=world,
                             timeout=timedelta(seconds=seconds))
     global _created
     if not _created:  # once per process, however many times a group is made and destroyed
         atexit.register(_at_exit)
     _created = True
-    log.info("rank %d of %d (local rank %d): %s on %s, timeout %.0f s", rank, world, local_rank, backend, device,
-             seconds)
+    log.info("rank %d of %d (local rank %d, %s, rendezvous %s:%d): %s on %s, timeout %.0f s", rank, world,
+             local_rank, launch.launcher, launch.master_addr, launch.master_port, backend, device, seconds)
     return rank, world, local_rank, device
+
+
+def _init_method(launch: Launch) -> str:
+    """torchrun's workers join its agent's store (``env://`` reads the variables torchrun set); the other
+    launchers' rank 0 opens the store at the launch's address."""
+    if launch.launcher == "torchrun":
+        return "env://"
+    host = f"[{launch.master_addr}]" if ":" in launch.master_addr else launch.master_addr
+    return f"tcp://{host}:{launch.master_port}"
 
 
 #: whether :func:`init` created a default group in this process (its exit hook is then registered)
@@ -139,4 +166,5 @@ def _at_exit() -> None:
         log.warning("could not destroy the process group at exit: %s", exc)
 
 
-__all__ = ["BACKENDS", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "TORCHRUN_ENV", "init", "shutdown", "timeout_seconds"]
+__all__ = ["BACKENDS", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "TORCHRUN_ENV", "Launch", "init", "launch_env", "shutdown",
+           "timeout_seconds"]

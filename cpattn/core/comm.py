@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import trace
+from .launch import no_group_error
 from .staging import Stager, StagingPool, device_backends
 from .steps import TREE_OPS, payload
 from .steps import wire as wire_bytes
@@ -133,9 +134,10 @@ class Communicator:
     """Collectives and point-to-point on one process group, with byte accounting.
 
     ``group=None`` means WORLD; when torch.distributed is not initialised it is a one-rank world, so
-    every schedule also runs as plain local attention. ``record=False``: never recorded by
-    ``cpattn.core.trace`` (traffic that is not the schedule's own, e.g. ``unshard`` or the levels of a
-    hierarchical collective, which is recorded as one call).
+    every schedule also runs as plain local attention, unless a launcher started this process as one of
+    several (RuntimeError naming ``cpattn.distributed.init()``: :func:`cpattn.core.launch.no_group_error`).
+    ``record=False``: never recorded by ``cpattn.core.trace`` (traffic that is not the schedule's own, e.g.
+    ``unshard`` or the levels of a hierarchical collective, which is recorded as one call).
 
     ``stage``: whether calls run through host buffers (:mod:`cpattn.core.staging`): None (CUDA tensors
     on a gloo group, and CPU tensors too when ``CPATTN_STAGE=1``), True (CPU tensors too; the group must
@@ -156,6 +158,9 @@ class Communicator:
         if not dist.is_available() or not dist.is_initialized():
             if group is not None:
                 raise ValueError("group was given but torch.distributed is not initialised")
+            missing = no_group_error(os.environ)  # a launcher started several processes: init() was forgotten
+            if missing is not None:
+                raise missing
             self.group = None
             self.rank, self.world_size = 0, 1
             self._global_ranks = [0]
