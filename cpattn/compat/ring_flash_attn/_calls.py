@@ -1,0 +1,306 @@
+"""How ring-flash-attn's calls become ``ContextParallel`` calls.
+
+Its packed ``[total_local, h, d]`` tensors are one row of a ``[1, S, h, d]`` sequence; its ``cu_seqlens``
+are a document mask over the global sequence; the way it splits each document over the ranks is an
+explicit :class:`cpattn.layout.Layout`:
+
+- ring varlen: every document cut into P equal contiguous pieces, rank r holding piece r of each, so the
+  local ``cu_seqlens`` are the global ones divided by P (``schedule="ring"``);
+- zigzag varlen: every document cut into 2P equal chunks, rank r holding chunks r and 2P-1-r of each
+  (``schedule="zigzag_ring"``);
+- llama3: the contiguous slice ``[r S/P, (r+1) S/P)`` of the packed row, documents of any length
+  (``schedule="allgather"``, ``layout="contiguous"``).
+
+One ``ContextParallel`` is kept per (schedule, group, length, mask, layout) and found again by the
+identity of the ``cu_seqlens`` tensor a call passes (its host values are read once per tensor and
+version), so a model's layers reuse one object per step without reading the device.
+"""
+
+from __future__ import annotations
+
+import operator
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...api import ContextParallel
+from ...core import layout as layout_mod
+from ...core.masks import Mask, causal, document, full
+from ...core.memo import BoundedCache
+from ...functional import _window_mask
+
+#: ContextParallel objects kept (a step's few; one per distinct documents, schedule and group)
+OBJECTS_KEPT = 32
+_OBJECTS = BoundedCache(OBJECTS_KEPT)  # by value: (schedule, ranks, seq_len, mask, layout)
+_BY_TENSOR = BoundedCache(OBJECTS_KEPT)  # by a cu_seqlens tensor's identity and version: the object above
+_PREPARED = BoundedCache(OBJECTS_KEPT)  # by the identity of a prepared cu_seqlens_q: its Prepared record
+_GROUPS = BoundedCache(OBJECTS_KEPT)  # by a process group's identity: (rank, global ranks of its members)
+
+
+def refuse_unsupported(dropout_p, alibi_slopes, deterministic, device: torch.device) -> None:
+    """The arguments ring-flash-attn takes that cpattn refuses, as ``cpattn.functional`` refuses them."""
+    if dropout_p:
+        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not supported; pass 0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes is not supported; pass None")
+    if deterministic and device.type != "cpu":
+        raise NotImplementedError(f"deterministic=True is guaranteed on the CPU only, not on {device.type}: the "
+                                  "GPU kernels' backward may accumulate in any order")
+
+
+def members(group) -> tuple[int, tuple[int, ...]]:
+    """This process's rank in ``group`` and the global ranks of its members (one rank without
+    torch.distributed)."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("group was given but torch.distributed is not initialised")
+        return 0, (0,)
+    group = dist.group.WORLD if group is None else group
+    return _GROUPS.get_for(group, ("group", id(group)),
+                           lambda: (dist.get_rank(group), tuple(dist.get_process_group_ranks(group))))
+
+
+def read_bounds(cu_seqlens, name: str) -> tuple[int, ...]:
+    """The host values of a ``cu_seqlens`` (a 1-D integer tensor or a sequence of ints), checked: it
+    starts at 0 and never decreases (a repeated boundary is an empty document)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex \
+                or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"{name} must be a 1-D integer tensor (int32, as flash-attn takes it), got "
+                            f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+        bounds = tuple(cu_seqlens.tolist())
+    else:
+        try:
+            bounds = tuple(operator.index(b) for b in cu_seqlens)
+        except TypeError:
+            raise TypeError(f"{name} must be a 1-D integer tensor, got {type(cu_seqlens).__name__}") from None
+    if len(bounds) < 2 or bounds[0] != 0:
+        raise ValueError(f"{name} must start at 0 and hold at least one document boundary after it, got "
+                         f"{_show(bounds)}")
+    if any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} must not decrease, got {_show(bounds)}")
+    return bounds
+
+
+def _show(bounds) -> str:
+    bounds = list(bounds)
+    return str(bounds if len(bounds) <= 10 else bounds[:5] + ["..."] + bounds[-3:])
+
+
+def _lengths(bounds: tuple[int, ...]) -> list[int]:
+    """Document lengths, empty documents (repeated boundaries) left out."""
+    return [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def document_mask(lengths: list[int], is_causal: bool, window_size) -> Mask:
+    """The documents, each attending only inside itself, under flash-attn's ``causal`` and ``window_size``."""
+    window = _window_mask(bool(is_causal), window_size)
+    docs = document(lengths, causal=window.is_causal)
+    return docs if window in (causal(), full()) else docs & window
+
+
+def context_parallel(schedule: str, group, seq_len: int, mask: Mask, layout) -> ContextParallel:
+    """The ContextParallel for these settings, made once (collective: every rank of ``group`` makes it at
+    the same call) and kept by value."""
+    _rank, ranks = members(group)
+    key = (schedule, ranks, seq_len, mask, layout)
+    return _OBJECTS.get(key, lambda: ContextParallel(seq_len, mask=mask, schedule=schedule, group=group,
+                                                     layout=layout))
+
+
+# ------------------------------------------------------------------ ring and zigzag varlen
+def per_document_layout(local_bounds: tuple[int, ...], world: int, zigzag: bool) -> layout_mod.Layout:
+    """The explicit layout of documents split over ``world`` ranks as ring-flash-attn's varlen functions
+    split them: each local document is 1/world of its global one (contiguous pieces, or zigzag chunks r and
+    2P-1-r), at global offset ``world`` times its local one."""
+    ranks: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for a, b in zip(local_bounds, local_bounds[1:]):
+        n, start = b - a, world * a
+        if n == 0:
+            continue
+        for r in range(world):
+            if zigzag:
+                half = n // 2
+                ranks[r] += [(start + r * half, start + (r + 1) * half),
+                             (start + (2 * world - 1 - r) * half, start + (2 * world - r) * half)]
+            else:
+                ranks[r].append((start + r * n, start + (r + 1) * n))
+    return layout_mod.Layout.explicit(ranks, name="ring_flash_attn zigzag varlen" if zigzag
+                                      else "ring_flash_attn ring varlen")
+
+
+def varlen_object(q: torch.Tensor, cu_seqlens, group, zigzag: bool, is_causal: bool,
+                  window_size) -> ContextParallel:
+    """The ContextParallel of a ring or zigzag varlen call with local ``cu_seqlens``; found by the tensor's
+    identity and version after its first call."""
+    rank, ranks = members(group)
+    world = len(ranks)
+    fast = isinstance(cu_seqlens, torch.Tensor)
+    key = ("varlen", id(cu_seqlens), cu_seqlens._version if fast else None, zigzag, ranks, bool(is_causal),
+           tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size, q.shape[0])
+
+    def build() -> ContextParallel:
+        bounds = read_bounds(cu_seqlens, "cu_seqlens")
+        if bounds[-1] != q.shape[0]:
+            raise ValueError(f"cu_seqlens ends at {bounds[-1]} but q holds {q.shape[0]} tokens (dim 0): the local "
+                             "cu_seqlens must sum to the local tensor's length")
+        if zigzag and any((b - a) % 2 for a, b in zip(bounds, bounds[1:])):
+            odd = next(i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if (b - a) % 2)
+            raise ValueError(f"cu_seqlens: document {odd} has {bounds[odd + 1] - bounds[odd]} local tokens; the "
+                             f"zigzag layout holds two equal chunks of every document per rank, so every local "
+                             "document length must be even")
+        mask = document_mask([world * n for n in _lengths(bounds)], is_causal, window_size)
+        layout = per_document_layout(bounds, world, zigzag)
+        return context_parallel("zigzag_ring" if zigzag else "ring", group, world * bounds[-1], mask, layout)
+
+    if not fast:
+        return build()
+    return _BY_TENSOR.get_for(cu_seqlens, key, build)
+
+
+def packed_attention(cp: ContextParallel, q, k, v, softmax_scale, return_attn_probs, softcap=None, sinks=None):
+    """``cp.attention`` on packed ``[total, h, d]`` tensors (one row): ``out [total, h, d]`` or ``(out, lse [h,
+    total], None)``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a packed [total_tokens, heads, head_dim] tensor, got "
+                             + (f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__))
+    out, lse = cp.attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), softmax_scale=softmax_scale,
+                            return_lse=True, softcap=softcap, sinks=sinks)
+    return (out[0], lse[0], None) if return_attn_probs else out[0]
+
+
+def varlen_call(zigzag: bool, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, is_causal, window_size,
+                alibi_slopes, deterministic, return_attn_probs, group):
+    """``ring_flash_attn_varlen_func`` (``zigzag=False``) and ``zigzag_ring_flash_attn_varlen_func``."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("q must be a packed [total_tokens, heads, head_dim] tensor")
+    refuse_unsupported(dropout_p, alibi_slopes, deterministic, q.device)
+    cp = varlen_object(q, cu_seqlens, group, zigzag, is_causal, window_size)
+    return packed_attention(cp, q, k, v, softmax_scale, return_attn_probs)
+
+
+# ------------------------------------------------------------------ llama3 (all-gather) varlen
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`prepare` returned on this rank, and the global documents it came from."""
+
+    bounds: tuple[int, ...]  # the global cu_seqlens
+    causal: bool
+    rank: int
+    world: int
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    q_bounds: tuple[int, ...]
+    k_bounds: tuple[int, ...]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    local_k_slice: slice
+    version: int  # cu_seqlens_q's, when prepared
+
+
+def prepare(cu_seqlens, is_causal: bool, rank: int, world_size: int):
+    """``llama3_flash_attn_prepare_cu_seqlens``: this rank's slice of the packed row in flash-attn's varlen
+    terms, and the record of the global documents behind it."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
+    bounds = read_bounds(cu_seqlens, "cu_seqlens")
+    total = bounds[-1]
+    if total == 0 or total % world_size:
+        raise ValueError(f"cu_seqlens ends at {total} tokens, which {world_size} ranks cannot split into equal "
+                         f"contiguous slices: the total must be a positive multiple of {world_size} (pad the packed "
+                         "row, e.g. into its last document: cu_seqlens[-1] += pad)")
+    n = total // world_size
+    lo, hi = rank * n, (rank + 1) * n
+    first = bisect_left(bounds, lo)  # the documents that meet [lo, hi): boundaries first .. last
+    if bounds[first] != lo:
+        first -= 1
+    last = bisect_left(bounds, hi)
+    held = bounds[first:last + 1]
+    q_bounds = (0, *(b - lo for b in held[1:-1]), n)
+    k_left = held[0]
+    k_right = hi if is_causal else held[-1]
+    k_bounds = (*(b - k_left for b in held[:-1]), k_right - k_left)
+    max_q = max(b - a for a, b in zip(q_bounds, q_bounds[1:]))
+    max_k = max(b - a for a, b in zip(k_bounds, k_bounds[1:]))
+    like = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.empty(0, dtype=torch.int32)
+    cu_q = torch.tensor(q_bounds, dtype=like.dtype, device=like.device)
+    cu_k = torch.tensor(k_bounds, dtype=like.dtype, device=like.device)
+    record = Prepared(bounds, bool(is_causal), rank, world_size, cu_q, cu_k, q_bounds, k_bounds, max_q, max_k,
+                      slice(k_left, k_right), cu_q._version)
+    _PREPARED.put(("prepared", id(cu_q)), (cu_q, record))
+    return cu_q, cu_k, max_q, max_k, slice(k_left, k_right)
+
+
+def _find_prepared(cu_seqlens_q, cu_seqlens_k, rank: int, world: int) -> Prepared:
+    """The record of the prepared values a call passes: by the identity of ``cu_seqlens_q``, else by the
+    values of both (read from the device); ValueError when no prepared values of this process match."""
+    entry = _PREPARED._items.get(("prepared", id(cu_seqlens_q)))
+    if entry is not None and entry[0] is cu_seqlens_q and entry[1].version == cu_seqlens_q._version:
+        return entry[1]
+    q_bounds = read_bounds(cu_seqlens_q, "cu_seqlens_q")
+    k_bounds = read_bounds(cu_seqlens_k, "cu_seqlens_k")
+    for _cu, record in reversed(list(_PREPARED._items.values())):
+        if (record.q_bounds, record.k_bounds, record.rank, record.world) == (q_bounds, k_bounds, rank, world):
+            return record
+    raise ValueError("cu_seqlens_q and cu_seqlens_k were not made by llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, "
+                     f"causal, rank={rank}, world_size={world}) in this process: cpattn runs the packed row's global "
+                     "documents, which it learns there; call it with the global cu_seqlens first (as "
+                     "update_ring_flash_attn_params does) and pass its values")
+
+
+def llama3_object(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  heads_k_stride, local_k_slice, is_causal: bool, window_size, group) -> ContextParallel:
+    """The ContextParallel of a llama3 varlen call, after checking the prepared values against the record
+    of :func:`prepare` (``q``, ``k`` as ``[b, s_local, h, d]``)."""
+    rank, ranks = members(group)
+    world = len(ranks)
+    record = _find_prepared(cu_seqlens_q, cu_seqlens_k, rank, world)
+    if cu_seqlens_k is not record.cu_seqlens_k and read_bounds(cu_seqlens_k, "cu_seqlens_k") != record.k_bounds:
+        raise ValueError(f"cu_seqlens_k {_show(read_bounds(cu_seqlens_k, 'cu_seqlens_k'))} is not the one prepared "
+                         f"with cu_seqlens_q ({_show(record.k_bounds)})")
+    given = (max_seqlen_q, max_seqlen_k)
+    if given != (record.max_seqlen_q, record.max_seqlen_k):
+        raise ValueError(f"max_seqlen_q, max_seqlen_k = {given} do not match the prepared values "
+                         f"({record.max_seqlen_q}, {record.max_seqlen_k})")
+    if not isinstance(local_k_slice, slice) or local_k_slice != record.local_k_slice:
+        raise ValueError(f"local_k_slice={local_k_slice!r} does not match the prepared one, "
+                         f"{record.local_k_slice!r}: pass the values llama3_flash_attn_prepare_cu_seqlens returned")
+    if bool(is_causal) != record.causal:
+        raise ValueError(f"causal={bool(is_causal)}, but the cu_seqlens were prepared with causal={record.causal}")
+    if (record.rank, record.world) != (rank, world):
+        raise ValueError(f"the cu_seqlens were prepared for rank {record.rank} of {record.world}, but this process is "
+                         f"rank {rank} of the group's {world}")
+    n = record.bounds[-1] // world
+    for name, t in (("q", q), ("k", k)):
+        if t.shape[1] != n:
+            raise ValueError(f"{name} holds {t.shape[1]} tokens, but this rank's slice of the "
+                             f"{record.bounds[-1]}-token packed row is {n} tokens (cu_seqlens[-1] / world_size)")
+    if isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1 \
+            or k.shape[2] % heads_k_stride:
+        raise ValueError(f"heads_k_stride={heads_k_stride!r} must be a positive int that divides the {k.shape[2]} "
+                         "key/value heads")
+    key = ("llama3", id(record), ranks, tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size)
+
+    def build() -> ContextParallel:
+        mask = document_mask(_lengths(record.bounds), is_causal, window_size)
+        return context_parallel("allgather", group, record.bounds[-1], mask, "contiguous")
+
+    return _BY_TENSOR.get_for(record, key, build)
+
+
+def llama3_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
+                dropout_p, softmax_scale, is_causal, window_size, alibi_slopes, deterministic, return_attn_probs,
+                group):
+    """``llama3_flash_attn_varlen_func`` on packed ``[total_local, h, d]`` tensors."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not isinstance(k, torch.Tensor) or k.dim() != 3:
+        raise ValueError("q, k and v must be packed [total_tokens, heads, head_dim] tensors")
+    refuse_unsupported(dropout_p, alibi_slopes, deterministic, q.device)
+    cp = llama3_object(q.unsqueeze(0), k.unsqueeze(0), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       heads_k_stride, local_k_slice, is_causal, window_size, group)
+    return packed_attention(cp, q, k, v, softmax_scale, return_attn_probs)
