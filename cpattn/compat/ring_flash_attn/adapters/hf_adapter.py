@@ -42,9 +42,10 @@ def check_params(f1, f2) -> bool:
 
 def update_ring_flash_attn_params(cu_seqlens: torch.Tensor, process_group: dist.ProcessGroup) -> None:
     """Prepare this step: ``cu_seqlens`` are the packed row's global boundaries (int32, on any device; only
-    the total must divide by the group's size); :data:`DATA_PARAMS` gets this rank's values (causal)."""
-    rank, world = dist.get_rank(group=process_group), dist.get_world_size(group=process_group)
-    values = llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, True, rank, world)
+    the total must divide by the group's size); :data:`DATA_PARAMS` gets this rank's values (causal). Without
+    torch.distributed, one rank."""
+    rank, ranks = _calls.members(process_group)
+    values = llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, True, rank, len(ranks))
     DATA_PARAMS.update(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "local_k_slice"), values))
 
 
