@@ -19,9 +19,13 @@ version) and at the first call with each new signature of q, k, v (``check="firs
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import contextvars
 import hashlib
 import json
-from collections.abc import Mapping
+import traceback
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -29,13 +33,55 @@ from .core.comm import Communicator
 
 #: values of ``ContextParallel(check=...)``
 CHECK_MODES = ("first", "always", "off")
-#: errors re-raised with their own type on every rank; any other type is raised as RuntimeError
-_TYPES = {t.__name__: t for t in (ValueError, TypeError, NotImplementedError, MemoryError, RuntimeError,
-                                  ImportError, ModuleNotFoundError)}
+#: the public entry point a check runs for (a ``*_attn_func``), named in place of ``ContextParallel``
+_ENTRY_POINT: contextvars.ContextVar[str | None] = contextvars.ContextVar("cpattn_entry_point", default=None)
+
+
+@contextlib.contextmanager
+def entry_point(name: str) -> Iterator[None]:
+    """Inside the block, :func:`agree` names ``name`` (e.g. ``"zigzag_ring_attn_func"``) as what failed,
+    instead of the ``ContextParallel`` method that the entry point calls: the user's own terms."""
+    token = _ENTRY_POINT.set(name)
+    try:
+        yield
+    finally:
+        _ENTRY_POINT.reset(token)
 
 
 class RanksDisagreeError(ValueError):
-    """The ranks of a group were given different settings or inputs (raised the same on every rank)."""
+    """The ranks of a group were given different settings or inputs (raised the same on every rank).
+    ``differing``: each field that differs -> {value: the ranks that hold it}."""
+
+    def __init__(self, message: str, differing: Mapping[str, Mapping[str, list[int]]] | None = None) -> None:
+        super().__init__(message)
+        self.differing = dict(differing or {})
+
+
+def describe_error(error: BaseException) -> list[str]:
+    """``[type, builtin type, message]`` of an exception, as :func:`agree` sends it: its type's name (with
+    its module when it is not a builtin), the nearest builtin exception class it derives from (what the
+    other ranks raise), and its message; a message-less error (a bare ``assert``) is named by where it was
+    raised."""
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    base = next(c.__name__ for c in kind.__mro__ if c.__module__ == "builtins")
+    message = str(error)
+    if not message and error.__traceback__ is not None:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        message = f"raised at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}: {frame.line or ''}".strip()
+    return [name, base, message]
+
+
+def rebuild_error(base: str, text: str) -> Exception:
+    """An exception of the builtin class named ``base`` with message ``text``, or a RuntimeError when that
+    class is not a builtin exception, is ``Exception`` itself, or cannot take a message alone."""
+    kind = getattr(builtins, base, None)
+    if isinstance(kind, type) and issubclass(kind, Exception) and kind is not Exception:
+        try:
+            return kind(text)
+        except TypeError:  # e.g. UnicodeDecodeError wants its parts
+            pass
+    return RuntimeError(text)
 
 
 def check_mode(check: str) -> str:
@@ -67,17 +113,21 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _differences(fields: list[str], values: list[dict[str, str]]) -> list[str]:
-    """One line per field whose value differs: which ranks hold which value."""
-    lines = []
+def _differences(fields: list[str], values: list[dict[str, str]]) -> dict[str, dict[str, list[int]]]:
+    """Each field whose value differs -> {value: the ranks that hold it}."""
+    differing = {}
     for name in fields:
         holders: dict[str, list[int]] = {}
         for rank, vals in enumerate(values):
             holders.setdefault(vals.get(name, "?"), []).append(rank)
         if len(holders) > 1:
-            parts = "; ".join(f"{_ranks(r)}: {value}" for value, r in holders.items())
-            lines.append(f"{name} differs ({parts})")
-    return lines
+            differing[name] = holders
+    return differing
+
+
+def holders_text(holders: Mapping[str, list[int]]) -> str:
+    """``rank 0: 4; ranks 1, 2: 6``: which ranks hold which value."""
+    return "; ".join(f"{_ranks(r)}: {value}" for value, r in holders.items())
 
 
 def agree(comm: Communicator, what: str, fields: Mapping[str, str], error: BaseException | None = None,
@@ -86,15 +136,19 @@ def agree(comm: Communicator, what: str, fields: Mapping[str, str], error: BaseE
 
     Every rank must call this with the same ``what`` and the same field *names* (the values may
     differ: that is what is checked). On success it returns on every rank. Otherwise every rank raises
-    the same exception: the first failing rank's error (its type when it is a ValueError, TypeError,
-    NotImplementedError, MemoryError, RuntimeError or ImportError, else RuntimeError) prefixed with the rank that
-    raised it, or :class:`RanksDisagreeError` naming each differing field with its values and ranks.
-    With one rank, ``error`` is re-raised unchanged and nothing is exchanged.
+    the same exception: the first failing rank's error, whatever its type (any ``Exception`` a check
+    raises, so that no check can leave the other ranks waiting), prefixed with the rank that raised it and
+    its type (with ``what`` alone when every rank raised the same), raised as its nearest builtin exception
+    class (``KeyError``, ``AssertionError``, ``ValueError`` ...; a RuntimeError for a class derived from
+    ``Exception`` alone); or :class:`RanksDisagreeError`
+    naming each differing field with its values and ranks (``differing``). With one rank, ``error`` is
+    re-raised unchanged and nothing is exchanged. Inside :func:`entry_point`, ``what`` is that entry point.
     """
     if comm.world_size == 1:
         if error is not None:
             raise error
         return
+    what = _ENTRY_POINT.get() or what
     names = list(fields)
     word = torch.tensor([0 if error is None else 1, _digest(json.dumps(names))]
                         + [_digest(str(fields[n])) for n in names], dtype=torch.int64, device=device)
@@ -106,20 +160,26 @@ def agree(comm: Communicator, what: str, fields: Mapping[str, str], error: BaseE
         return
     # something differs: everyone learns what, from everyone's text (the same text on every rank)
     mine = {"fields": {n: str(fields[n]) for n in names},
-            "error": None if error is None else [type(error).__name__, str(error)]}
+            "error": None if error is None else describe_error(error)}
     reports = [json.loads(t) for t in _gather_text(comm, json.dumps(mine), device)]
     if failed:
-        kind, message = reports[failed[0]]["error"]
-        others = f" (also failed: {_ranks(failed[1:])})" if len(failed) > 1 else ""
-        text = f"{what}: rank {failed[0]} of {comm.world_size} raised {kind}: {message}{others}"
-        exc = _TYPES.get(kind, RuntimeError)(text)
+        kind, base, message = reports[failed[0]]["error"]
+        message = message.removeprefix(f"{what}: ")  # an error that names the entry point already
+        if len(failed) == comm.world_size and all(reports[r]["error"] == reports[0]["error"] for r in failed):
+            text = f"{what}: {message}" if kind == base else f"{what}: {kind}: {message}"  # every rank alike
+        else:
+            others = f" (also failed: {_ranks(failed[1:])})" if len(failed) > 1 else ""
+            text = f"{what}: rank {failed[0]} of {comm.world_size} raised {kind}: {message}{others}"
+        exc = rebuild_error(base, text)
         if error is not None and comm.rank == failed[0]:
             raise exc from error
         raise exc
-    lines = _differences(names, [r["fields"] for r in reports])
+    differing = _differences(names, [r["fields"] for r in reports])
+    lines = [f"{name} differs ({holders_text(holders)})" for name, holders in differing.items()]
     if not lines:  # same values, different field names: the ranks run different cpattn code
         lines = [f"the checked fields differ ({'; '.join(str(list(r['fields'])) for r in reports)})"]
-    raise RanksDisagreeError(f"{what}: the {comm.world_size} ranks of the group disagree: " + "; ".join(lines))
+    raise RanksDisagreeError(f"{what}: the {comm.world_size} ranks of the group disagree: " + "; ".join(lines),
+                             differing)
 
 
 def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale) -> dict[str, str]:
@@ -137,4 +197,5 @@ def signature_key(q, k, v, softmax_scale) -> tuple:
     return parts + (softmax_scale if isinstance(softmax_scale, (int, float, type(None))) else repr(softmax_scale),)
 
 
-__all__ = ["CHECK_MODES", "RanksDisagreeError", "agree", "check_mode", "signature", "signature_key"]
+__all__ = ["CHECK_MODES", "RanksDisagreeError", "agree", "check_mode", "describe_error", "entry_point",
+           "holders_text", "rebuild_error", "signature", "signature_key"]

@@ -182,7 +182,7 @@ class ContextParallel:
         try:
             with memo.scope(self._memo):
                 self._configure(seq_len, mask, schedule, topology, backend, layout, check, memory_limit)
-        except (ValueError, TypeError, NotImplementedError, ImportError) as exc:
+        except Exception as exc:  # any check's error reaches every rank (agree), or the others would wait
             error = exc
         if check != "off":  # "off" trusts the caller: no exchange at all, errors stay on their rank
             agree.agree(self._setup, "ContextParallel", self._construction_fields(seq_len, schedule, group),
@@ -317,7 +317,7 @@ class ContextParallel:
             resolved = resolve(mask)
             fresh = resolved != base.mask and resolved not in base._views
             view = base if resolved == base.mask else base._views.get(resolved, lambda: MaskView(base, resolved))
-        except (ValueError, TypeError, NotImplementedError) as exc:
+        except Exception as exc:  # reaches every rank (agree)
             error = exc
         if base.check == "always" or (base.check == "first" and fresh):
             text = _mask_text(resolved) if error is None else "?"
@@ -377,7 +377,7 @@ class ContextParallel:
                 raise TypeError(f"unshard: expected a torch.Tensor, got {type(x).__name__}")
             if x.shape[dim] != self.local_len:
                 raise ValueError(f"unshard: tensor has {x.shape[dim]} tokens at dim {dim}, expected {self.local_len}")
-        except (TypeError, ValueError, IndexError) as exc:
+        except Exception as exc:  # reaches every rank (agree)
             error = exc
         if self.check != "off":
             shape = f"{tuple(x.shape)}, {x.dtype}, dim {dim}" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -519,7 +519,7 @@ class ContextParallel:
             scale = self._validate(q, k, v, softmax_scale)
             if not plans:
                 self.check_memory(q, k, v)
-        except (ValueError, TypeError, NotImplementedError, MemoryError) as exc:
+        except Exception as exc:  # any check's error reaches every rank (agree), or the others would wait
             error = exc
         agree.agree(self._setup, "ContextParallel.attention", agree.signature(q, k, v, softmax_scale), error,
                     self._exchange_device)
@@ -527,7 +527,7 @@ class ContextParallel:
             error = None
             try:
                 self.check_memory(q, k, v)
-            except MemoryError as exc:
+            except Exception as exc:
                 error = exc
             agree.agree(self._setup, "ContextParallel.attention", {}, error, self._exchange_device)
         return scale
@@ -632,13 +632,11 @@ class ContextParallel:
             try:
                 text = make().to_json()
             except Exception as exc:  # every rank must hear about it, or they would wait forever
-                text = json.dumps({"error": str(exc), "type": type(exc).__name__})
+                text = json.dumps({"error": agree.describe_error(exc)})
         text = _broadcast_text(setup, text, q.device)
         if text.startswith('{"error":'):
-            failure = json.loads(text)
-            kind = {c.__name__: c for c in (ValueError, TypeError, NotImplementedError, MemoryError, ImportError)}
-            raise kind.get(failure["type"], RuntimeError)(
-                f"{self.schedule.name}: planning failed on rank 0: {failure['type']}: {failure['error']}")
+            kind, base, message = json.loads(text)["error"]
+            raise agree.rebuild_error(base, f"{self.schedule.name}: planning failed on rank 0: {kind}: {message}")
         return self.schedule.read_plan(text)
 
     def problem(self, q: torch.Tensor, k: torch.Tensor) -> Problem:

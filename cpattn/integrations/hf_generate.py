@@ -256,7 +256,7 @@ class _Generation:
         error = None
         try:
             self.check()
-        except (ValueError, TypeError, NotImplementedError) as exc:
+        except Exception as exc:  # any check's error reaches every rank (agree), or the others would wait
             error = exc
         if not isinstance(self.base, ContextParallel):
             raise error
