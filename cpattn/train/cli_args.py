@@ -107,15 +107,16 @@ def main(argv: list[str] | None = None) -> int:
 
     watch_parent(os.getppid(), "torchrun")
     args = build_parser().parse_args(argv)
-    rank = os.environ.get("RANK", "0")
+    rank = 0  # a partial launcher environment is reported by every rank
     try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        launch = distributed.launch_env(os.environ)  # torchrun, srun or mpirun
+        rank, world = (launch.rank, launch.world_size) if launch is not None else (0, 1)
         cfg = config_from_args(args, world)
         if cfg.world != world:
-            raise ValueError(f"dp={cfg.dp} x cp={cfg.cp} = {cfg.world} ranks, but torchrun started {world}")
+            raise ValueError(f"dp={cfg.dp} x cp={cfg.cp} = {cfg.world} ranks, but the launcher started {world}")
         preflight(cfg)  # rank 0 prints what a resume passes over and changes, checksums verified
     except ValueError as exc:
-        if rank == "0":
+        if rank == 0:
             _say(f"error: {exc}")
         return 2
     distributed.init()
