@@ -66,31 +66,36 @@ def _slurm_step(environ: Mapping[str, str]) -> bool:
     return bool(step) and step not in SLURM_NON_STEPS
 
 
+def _mpich(environ: Mapping[str, str]) -> bool:
+    """Whether MPICH's (or Intel MPI's) ``mpirun`` started this process: ``PMI_RANK`` / ``PMI_SIZE``, which
+    srun's PMI-2 plugin sets too, so inside an ``srun`` step only with MPICH's own ``MPI_LOCALRANKID``."""
+    return any(_set(environ, name) for name in MPICH_ENV[:2]) and (not _slurm_step(environ)
+                                                                  or _set(environ, "MPI_LOCALRANKID"))
+
+
 def launcher_of(environ: Mapping[str, str]) -> str | None:
     """The launcher whose variables ``environ`` holds, innermost first: torchrun (also torchrun started by
     ``srun`` or ``mpirun``, one agent per node), then ``mpirun`` (also Open MPI's daemons started by
     ``srun``), then an ``srun`` step. None: no launcher (a plain run, or an ``sbatch`` script's shell)."""
     if any(_set(environ, name) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return "torchrun"
-    step = _slurm_step(environ)
-    if any(_set(environ, name) for name in OMPI_ENV[:2]):
+    if any(_set(environ, name) for name in OMPI_ENV[:2]) or _mpich(environ):
         return "mpirun"
-    # srun's PMI-2 plugin sets PMI_RANK and PMI_SIZE too: MPICH's mpirun also sets MPI_LOCALRANKID
-    if any(_set(environ, name) for name in MPICH_ENV[:2]) and (not step or _set(environ, "MPI_LOCALRANKID")):
-        return "mpirun"
-    if step:
+    if _slurm_step(environ):
         return "srun"
     return None
 
 
-def _missing(environ: Mapping[str, str], names, launcher: str, what: str) -> None:
-    absent = [name for name in names if not _set(environ, name)]
+def _missing(environ: Mapping[str, str], needed, launcher: str, sets) -> None:
+    """A ValueError naming the ``needed`` variables that are not set, those of ``sets`` (what ``launcher``
+    sets) that are, and the launcher."""
+    absent = [name for name in needed if not _set(environ, name)]
     if absent:
-        given = [f"{name}={environ[name].strip()}" for name in what if _set(environ, name)]
+        given = [f"{name}={environ[name].strip()}" for name in sets if _set(environ, name)]
         raise ValueError(f"a partial {launcher} environment: {', '.join(absent)} "
                          f"{'is' if len(absent) == 1 else 'are'} not set"
                          + (f" (set: {', '.join(given)})" if given else "")
-                         + f"; {launcher} sets {', '.join(what)} for every process it starts")
+                         + f"; {launcher} sets {', '.join(sets)} for every process it starts")
 
 
 def _check_ranks(launcher: str, rank: tuple[str, int], world: tuple[str, int], local: tuple[str, int],
@@ -132,7 +137,7 @@ def _torchrun(environ: Mapping[str, str]) -> Launch:
     local_world = ("LOCAL_WORLD_SIZE", _int(environ, "LOCAL_WORLD_SIZE", "torchrun")) \
         if _set(environ, "LOCAL_WORLD_SIZE") else None
     _check_ranks("torchrun", rank, world, local, local_world)
-    return Launch("torchrun", rank[1], world[1], local[1], local_world and local_world[1],
+    return Launch("torchrun", rank[1], world[1], local[1], local_world[1] if local_world else None,
                   environ["MASTER_ADDR"].strip(), _port(environ, None, "torchrun", "torchrun sets it"))
 
 
@@ -140,8 +145,7 @@ def _mpirun(environ: Mapping[str, str]) -> Launch:
     flavours = []
     if any(_set(environ, name) for name in OMPI_ENV):
         flavours.append(("mpirun (Open MPI)", OMPI_ENV))
-    if any(_set(environ, name) for name in MPICH_ENV[:2]) and (not _slurm_step(environ)
-                                                                  or _set(environ, "MPI_LOCALRANKID")):
+    if _mpich(environ):
         flavours.append(("mpirun (MPICH)", MPICH_ENV))
     found = []
     for launcher, names in flavours:
@@ -166,7 +170,7 @@ def _mpirun(environ: Mapping[str, str]) -> Launch:
         raise ValueError(f"{launcher} across hosts ({spread}): set MASTER_ADDR to the host of rank 0 for every "
                          "process (Open MPI: mpirun -x MASTER_ADDR=<host> ...; MPICH: mpirun -genv MASTER_ADDR "
                          "<host> ...)")
-    return Launch("mpirun", rank[1], world[1], local[1], local_world and local_world[1], addr,
+    return Launch("mpirun", rank[1], world[1], local[1], local_world[1] if local_world else None, addr,
                   _port(environ, MPIRUN_PORT, launcher, ""))
 
 
