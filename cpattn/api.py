@@ -30,7 +30,8 @@ from .core.masks import Mask, has_documents, resolve
 from .core.memo import BoundedCache
 from .core.steps import CommOp, Problem
 from .core.topology import Topology
-from .cost import collectives
+from .cost import collectives, discovery
+from .cost.profile import digest as profile_digest
 from .schedules.base import Runtime, Schedule, attention_op, register_site, site_slot
 from .version import __version__
 
@@ -58,7 +59,7 @@ def _auto_schedule(mask: Mask, seq_len: int, world: int, topology: Topology | No
     Estimated on ``topology`` when given, else on the ``local`` preset: the calibration profile at the
     default location, or conservative defaults without one (or with an unreadable one, with a warning).
     Pure and deterministic, so every rank makes the same choice without communicating, as long as they
-    see the same topology (on several hosts, pass one explicitly: profiles may differ between hosts).
+    see the same topology (``ContextParallel`` derives it from the placement every rank holds).
     """
     if topology is None:
         topology = cost.presets.this_machine(world, "schedule='auto'")
@@ -139,10 +140,14 @@ class ContextParallel:
     (``cpattn.schedules.USP(ulysses_degree=2)``, ``cpattn.schedules.Ultra(cpattn.planner.PlanOptions(...))``).
     ``group``: the process group or ``DeviceMesh`` the sequence is split over (None: the default group;
     a 2-D mesh, inter-node x intra-node, gives two-level collectives; without torch.distributed, one
-    rank). ``topology``: a :class:`cpattn.cost.Topology` for ``"auto"`` and the two-level schedules
-    (None: a 2-D mesh's shape, else one node). ``backend``: local kernels, ``"auto"``, ``"aten"``,
-    ``"flash_attn"``, ``"flash_attn3"``, ``"flash_attn4"`` (FlashAttention-2, -3, -4 where installed) or
-    ``"math"`` (FlexAttention runs masked blocks on CUDA under all but ``"math"``).
+    rank). ``topology``: where the ranks run, for ``"auto"`` and the two-level schedules: a
+    :class:`cpattn.cost.Topology`; a preset name (``"dgx-h200"``, ``cpattn.cost.presets.NAMES``), whose
+    figures go on the shape found; or None: a 2-D mesh's shape, else the shape found where the ranks
+    run (nodes x ranks per node, the ranks grouped by host, ``$CPATTN_HOST`` overriding a host name) with
+    the figures of ``$CPATTN_TOPOLOGY``'s preset or a calibration profile (``cpattn.cost.discovery``);
+    ``cp.topology`` is the one used, and one log line says what was found. ``backend``: local kernels,
+    ``"auto"``, ``"aten"``, ``"flash_attn"``, ``"flash_attn3"``, ``"flash_attn4"`` (FlashAttention-2, -3,
+    -4 where installed) or ``"math"`` (FlexAttention runs masked blocks on CUDA under all but ``"math"``).
     ``layout``: None (the schedule's own; for a document mask on ``ring``, ``allgather``, ``ringx3``,
     ``ringx3b`` and ``usp``, the balanced layout below whenever it needs no more padding),
     ``"balanced"`` (an explicit layout that evens out the mask's work per rank,
@@ -164,7 +169,7 @@ class ContextParallel:
     """
 
     def __init__(self, seq_len: int, mask: Mask | str | dict = "causal", schedule: str | Schedule = "auto",
-                 group: dist.ProcessGroup | DeviceMesh | None = None, topology: Topology | None = None,
+                 group: dist.ProcessGroup | DeviceMesh | None = None, topology: Topology | str | None = None,
                  backend: str = "auto", layout: str | layout_mod.Layout | None = None, check: str = "first",
                  memory_limit: int | None = None) -> None:
         """See the class: checks every argument (the same error on every rank), resolves ``"auto"``,
@@ -173,8 +178,9 @@ class ContextParallel:
         self._setup = self.comm.view(record=False)  # agreement, planning and unshard traffic is not attention's
         self._exchange_device = _exchange_device(self.comm)
         # where every rank runs, through the group's store (no backend call): an NCCL group with two ranks
-        # on one GPU is refused here, before NCCL's first operation would fail, the same on every rank
-        self._places = placement.exchange(self._setup) if check != "off" else None
+        # on one GPU is refused here, before NCCL's first operation would fail, the same on every rank; the
+        # topology is read off the same list (cpattn.cost.discovery)
+        self._places = placement.exchange(self._setup, profile_digest()) if check != "off" else None
         if self._places is not None:
             placement.refuse_nccl_sharing(self._places, self.comm.backends)
         error = None
@@ -191,7 +197,9 @@ class ContextParallel:
             raise error
         if self.schedule.hierarchical:  # rail and node groups now (collectively), never at run time
             self.comm.setup_levels(self.topology)
-        wire_topology = self.topology or Topology(1, self.world_size)  # the algorithms wire bytes count with
+        wire_topology = self.topology  # the algorithms wire bytes count with: a found shape without a named
+        if self._found is not None and not self._found.named:  # preset counts on generic figures, as it always has
+            wire_topology = Topology(self.topology.nodes, self.topology.devices_per_node)
         self.comm.set_topology(self.topology, lambda op, n: collectives.algorithm(CommOp(op, n), wire_topology))
         self._base: ContextParallel | None = None  # the object a view was made from (with_mask)
         self._views = BoundedCache(VIEWS_KEPT)  # views by mask, shared with every view of this object
@@ -218,11 +226,16 @@ class ContextParallel:
         self.memory_limit = memory_limit
         self.mask = resolve(mask)
         kernels.check_backend(backend)
-        if topology is not None and not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a cpattn.cost.Topology or None, got {type(topology).__name__}")
+        if topology is not None and not isinstance(topology, (Topology, str)):
+            raise TypeError(f"topology must be a cpattn.cost.Topology, a preset name ({', '.join(cost.presets.NAMES)}) "
+                            f"or None, got {type(topology).__name__}")
         mesh_shape = self.comm.levels_shape
-        if topology is None and mesh_shape is not None:  # a 2-D mesh: its shape is the topology
-            topology = Topology(*mesh_shape)
+        self._found = None
+        if not isinstance(topology, Topology):  # found where the ranks run (or a 2-D mesh's shape)
+            whole = self.comm.group is None or self.comm.world_size == dist.get_world_size()
+            self._found = discovery.discover(self._places, self.comm.world_size, topology, whole, mesh_shape)
+            discovery.announce(self._found)
+            topology = self._found.topology
         if mesh_shape is not None and (topology.nodes, topology.devices_per_node) != mesh_shape:
             raise ValueError(f"the device mesh is {mesh_shape[0]} x {mesh_shape[1]} (inter-node x intra-node) but "
                              f"the topology is {topology.nodes} x {topology.devices_per_node}")

@@ -263,6 +263,27 @@ def _local_gpus(shape: dict, where: str, profile: Profile) -> Topology:
                     name=f"local{where} (GPU rates measured, links not)")
 
 
+def preset_key(name: str) -> str:
+    """The :data:`NAMES` entry ``name`` spells (case and ``_``/``-`` aside); ValueError naming the accepted ones."""
+    key = name.lower().replace("_", "-") if isinstance(name, str) else name
+    if key not in NAMES:
+        raise ValueError(f"topology preset {name!r} is unknown; accepted: {', '.join(NAMES)}")
+    return key
+
+
+def on_shape(name: str, nodes: int, devices_per_node: int) -> Topology:
+    """GPU preset ``name``'s figures (links, NICs, device: :func:`preset`'s) on ``nodes`` x
+    ``devices_per_node`` ranks, e.g. the shape found where the ranks run: each device keeps the preset's
+    share of the node's NICs (at least one NIC per node)."""
+    key = preset_key(name)
+    if key == "local":
+        raise ValueError("on_shape takes a GPU preset; the local machine's topology is local(world, nodes=...)")
+    spec = PRESETS[key]
+    full = preset(key, spec["devices_per_node"])
+    nics = max(1, spec["nics_per_node"] * devices_per_node // spec["devices_per_node"])
+    return replace(full, nodes=nodes, devices_per_node=devices_per_node, nics_per_node=nics)
+
+
 def preset(name: str, world: int, profile: Profile | None = None, algorithm: str | None = None) -> Topology:
     """The topology of ``world`` devices of preset ``name`` (see :data:`NAMES`). ``local`` uses
     ``profile``, else the profile at the default location, else conservative defaults. A GPU preset
@@ -291,4 +312,4 @@ def preset(name: str, world: int, profile: Profile | None = None, algorithm: str
 __all__ = ["ASSUMED_RATES", "DATA_SHEETS", "DEFAULT_MATMUL_EFFICIENCY", "DEFAULT_PROFILES", "DGX_A100", "DGX_H100",
            "DGX_H200", "FRONTIER", "FRONTIER_ATTENTION_EFFICIENCY", "GPU_MODELS", "LOCAL_DEFAULT_DEVICE",
            "MATMUL_EFFICIENCY", "MATMUL_PEAK", "NAMES", "PRESETS", "PRESET_GPUS", "GpuModel", "gpu_model", "local",
-           "measured_device", "preset", "this_machine"]
+           "measured_device", "on_shape", "preset", "preset_key", "this_machine"]

@@ -21,6 +21,7 @@ ships the first measured ones (:data:`SHIPPED`, :func:`shipped`).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import math
@@ -384,6 +385,16 @@ def load(path: str | os.PathLike | None = None) -> Profile:
     return from_json(data, str(target))
 
 
+def digest(path: str | os.PathLike | None = None) -> str:
+    """16 hex digits of the SHA-256 of the profile file at ``path`` (default :func:`default_path`), or
+    ``""`` when there is no readable file: ranks whose digests match read the same profile."""
+    try:
+        data = (Path(path) if path is not None else default_path()).read_bytes()
+    except OSError:
+        return ""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 def load_default() -> Profile | None:
     """The profile at the default location, or None when there is none. A corrupt one (unreadable, not
     JSON, a field wrong) is ignored with a warning, so the conservative defaults apply; one of another
@@ -402,5 +413,5 @@ def load_default() -> Profile | None:
 
 
 __all__ = ["EXTRAPOLATED_SIDES", "EXTRAPOLATION_HALF_TOKENS", "GPU_CHECK_SHAPE", "PROFILE_ENV", "SCHEMA", "SHIPPED",
-           "VERSION", "GpuInfo", "Profile", "ProfileError", "ProfileVersionError", "default_path", "extrapolate_below",
-           "from_gpu_check", "from_json", "load", "load_default", "save", "shipped"]
+           "VERSION", "GpuInfo", "Profile", "ProfileError", "ProfileVersionError", "default_path", "digest",
+           "extrapolate_below", "from_gpu_check", "from_json", "load", "load_default", "save", "shipped"]
