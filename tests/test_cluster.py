@@ -166,7 +166,9 @@ def test_two_emulated_nodes_on_a_local_world(worlds):
     reports = _reports(worlds.get(4).run(cluster_run.on_local_world, timeout=120, schedules=schedules))
     _check_run(reports, schedules)
     assert len({json.dumps(r["auto"]) for r in reports}) == 1  # every rank chose the same
-    print(f"auto: {reports[0]['auto']}")
+    chose = [line for line in reports[0]["log"] if line.startswith("schedule='auto' chose")]
+    assert chose and chose[0].startswith(f"schedule='auto' chose {reports[0]['auto']['schedule']}: "), chose
+    print(chose[0])
     preset = _reports(worlds.get(4).run(cluster_run.on_local_world, timeout=120, schedules=[], preset="dgx-h200"))
     assert preset[0]["auto"]["topology"] == [2, 2, "dgx-h200"]
 
