@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -144,18 +145,26 @@ def test_bench_runs_checks_and_renders(tmp_path):
     assert all(r["ok"] for r in rows.values()), rows
     for r in rows.values():  # a probe sample before each timed iteration of each phase, blocks cut to a rank's share
         probe = r["extra"]["speed_probe"]
-        assert probe["blocks"] == [("full", 64), ("causal", 64)] and len(probe["seconds"]) == 2 * cfg.iters
-        assert all(sec > 0 for sec in probe["seconds"])
-    base = result["baseline"]["fwd_bwd_s"]
+        assert probe["blocks"] == [("full", 64), ("causal", 64)]
+        assert len(probe["seconds"]) == cfg.iters * cfg.repeats and all(sec > 0 for sec in probe["seconds"])
+    base = result["baseline"]["rounds"]["fwd_bwd_s"]
+    assert len(base) == cfg.repeats == 3
     for r in rows.values():
         assert r["error"] < 1e-5 and r["fwd_bwd_s"] > 0 and r["bytes_sent"] > 0
         assert r["wire_sent"] == r["bytes_sent"]  # rings and gathers forward nothing for others
-        assert math.isclose(r["speedup"], base / r["fwd_bwd_s"])
+        # every round times the one process and then each schedule; the ratio is taken within each round
+        mine = r["extra"]["rounds"]["fwd_bwd_s"]
+        assert len(mine) == cfg.repeats and r["fwd_bwd_s"] == statistics.median(mine)
+        assert tuple(r["fwd_bwd_range"]) == (min(mine), max(mine))
+        assert math.isclose(r["speedup"], statistics.median(b / t for b, t in zip(base, mine)))
+        assert r["speedup_range"][0] <= r["speedup"] <= r["speedup_range"][1]
+        assert r["noise"] == (r["speedup_range"][1] > result["environment"]["parallel_limit"])
     assert rows["ring"]["extra"]["work"]["imbalance"] > rows["zigzag_ring"]["extra"]["work"]["imbalance"] == 1.0
     cols = _columns(result)
     assert cols["schedule"] == list(rows)
     assert cols["vs ring"] == [f"{rows['ring']['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}x" for r in rows.values()]
-    assert cols["fwd+bwd ms"] == [f"{r['fwd_bwd_s'] * 1e3:.1f}" for r in rows.values()]
+    assert [c.split(" (")[0] for c in cols["fwd+bwd ms"]] == [f"{r['fwd_bwd_s'] * 1e3:.1f}" for r in rows.values()]
+    assert all(" (" in c and c.endswith(")") for c in cols["fwd+bwd ms"] + cols["vs 1 proc"])  # the range
     assert cols["sent MB/rank"] == [f"{r['bytes_sent'] / 1e6:.1f}" for r in rows.values()]
     path = tmp_path / "bench.json"
     bench.save_json(result, str(path))
@@ -189,6 +198,54 @@ def test_bench_cli_with_mask_spec_topology_and_plot(tmp_path, capsys):
     assert [(r["schedule"], r["ok"]) for r in saved["rows"]] == [("ring", True), ("allgather", True)]
     out = capsys.readouterr().out
     assert "sliding_window" in out and "vs ring" in out and "allgather" in out and "mask eff" in out
+
+
+def test_spread_is_the_median_and_the_range_of_the_rounds():
+    assert bench.spread([0.3, 0.1, 0.2]) == (0.2, (0.1, 0.3))
+    assert bench.spread([0.5]) == (0.5, (0.5, 0.5))
+    mid, (lo, hi) = bench.spread([])
+    assert math.isnan(mid) and math.isnan(lo) and math.isnan(hi)
+
+
+def test_the_parallel_limit_is_the_processors_the_ranks_compute_on():
+    assert bench.parallel_limit(2, 1, cores=2) == 2
+    assert bench.parallel_limit(4, 1, cores=2) == 2  # four ranks on two cores: still two at a time
+    assert bench.parallel_limit(2, 4, cores=16) == 8
+    assert bench.parallel_limit(8, 1, cores=2, gpus=8) == 8 and bench.parallel_limit(4, 1, cores=64, gpus=1) == 1
+
+
+def test_a_ratio_above_the_limit_is_noise_and_the_ratio_is_taken_within_each_round():
+    """Each round's ratio pairs the one process and the schedule of that round; a round that measured more
+    than two cores allow (the one process ran while the machine was busy) makes the row noise, whatever
+    its median says."""
+    base = [(0.1, 1.0), (0.1, 1.5), (0.1, 1.0)]
+    fig = bench.round_figures(base, [(0.05, 1.1), (0.05, 1.0), (0.05, 0.9)], limit=2)
+    assert fig["fwd_bwd_s"] == 1.0 and fig["fwd_bwd_range"] == (0.9, 1.1)
+    assert math.isclose(fig["speedup"], 1 / 0.9) and fig["speedup_range"] == (1 / 1.1, 1.5)
+    assert fig["fwd_speedup"] == 2.0 and not fig["noise"]
+    busy = [(0.1, 1.0), (0.1, 3.0), (0.1, 1.0)]
+    noisy = bench.round_figures(busy, [(0.05, 1.1), (0.05, 1.0), (0.05, 0.9)], limit=2)
+    assert noisy["noise"] and noisy["speedup"] < 2 and noisy["speedup_range"][1] == 3.0
+
+
+def test_render_shows_each_range_and_prints_noise_as_noise():
+    result = _synthetic()
+    result["environment"]["parallel_limit"] = 2
+    result["config"]["repeats"] = 3
+    ring, zigzag = result["rows"][0], result["rows"][1]
+    ring |= {"fwd_range": (0.09, 0.12), "fwd_bwd_range": (0.38, 0.45), "speedup_range": (0.4, 0.6)}
+    zigzag |= {"speedup": 2.73, "speedup_range": (0.91, 3.1), "noise": True}
+    result["baseline"] |= {"fwd_range": (0.04, 0.06), "fwd_bwd_range": (0.19, 0.25)}
+    cols = _columns(result)
+    assert cols["fwd ms"][0] == "100.0 (90-120)" and cols["fwd+bwd ms"][0] == "400.0 (380-450)"
+    assert cols["vs 1 proc"][:2] == ["0.50x (0.40-0.60)", "noise (0.91-3.10x)"]  # never "2.73x"
+    assert cols["vs 1 proc"][3] == "0.25x"  # no rounds recorded: the value alone
+    caption = str(bench.render(result).caption)
+    assert caption.startswith("(1) wrong_one failed") and "NOISE: zigzag_ring measured above 2x" in caption
+    assert "fwd 50.0 (40-60) ms, fwd+bwd 200.0 (190-250) ms" in caption
+    assert "median (lowest-highest) over 3 rounds" in caption and "above 2x noise" in caption
+    result["rows"][1]["noise"] = False
+    assert "NOISE" not in str(bench.render(result).caption)
 
 
 def test_bench_rejects_bad_arguments_before_starting(capsys):

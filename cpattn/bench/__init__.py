@@ -15,10 +15,13 @@ from .measure import (
     flops,
     is_masked,
     mask_efficiency,
+    parallel_limit,
     probe_blocks,
     rank_device,
+    round_figures,
     run,
     sharing,
+    spread,
 )
 from .report import (
     DROP_ORDER,
@@ -39,6 +42,6 @@ from .report import (
 
 __all__ = ["CHECK_TOLERANCE", "DROP_ORDER", "FLEX_DENSE_MAX_SEQ", "PLOT_TIMELINES", "SPEED_PROBE", "SPEED_WINDOW",
            "BenchConfig", "BenchRow", "config_label", "emulated_topology", "flex_mask_mod", "flops", "is_masked",
-           "mask_efficiency", "measured_kernel_s", "plot", "predict", "prediction_summary", "probe_blocks",
-           "probe_speeds", "rank_device", "render", "render_breakdown", "run", "save_json", "sharing", "trace_name",
-           "write_traces"]
+           "mask_efficiency", "measured_kernel_s", "parallel_limit", "plot", "predict", "prediction_summary",
+           "probe_blocks", "probe_speeds", "rank_device", "render", "render_breakdown", "round_figures", "run",
+           "save_json", "sharing", "spread", "trace_name", "write_traces"]

@@ -3,7 +3,12 @@
 One process runs the same attention on the whole sequence with all the cores the N ranks share; each
 schedule runs on an N-rank gloo world with cores / N threads per rank. Each configuration is checked
 once against the one-process result before it is timed; a wrong schedule is reported, not timed.
-Times are the median over iterations of the slowest rank's time. A masked configuration also times
+The one process and the schedules alternate over ``repeats`` rounds (one process, then each schedule, then
+again), so a change in the machine's load reaches both sides of every ratio. A timed iteration is one
+forward and backward step (its forward timed to its end as well); a round's time is the median over its
+iterations of the slowest rank's time, and a row reports the median over rounds with the lowest and
+highest (:func:`spread`). A ratio to the one process above what the ranks' cores or GPUs allow
+(:func:`parallel_limit`) in any round is noise, flagged on the row. A masked configuration also times
 dense causal attention in one process (for the mask efficiency) and, as a peer, FlexAttention. With
 ``timeline=True`` every rank stamps one more forward and backward (``cpattn.core.trace.timeline``), which
 becomes each row's Chrome trace (:func:`write_traces`) and its hidden transfer fraction. With
@@ -51,8 +56,9 @@ class BenchConfig:
     head_dim: int = 64
     mask: str | dict = "causal"  # "causal", "full" or a mask spec (cpattn.masks.from_spec)
     dtype: str = "float32"
-    warmup: int = 1
-    iters: int = 3
+    warmup: int = 1  # untimed calls per round (in the first, the memory step is the first of them)
+    iters: int = 1  # timed iterations per phase per round; a round's time is their median
+    repeats: int = 3  # rounds: the one process and every schedule, alternating
     threads: int = 0  # per rank; 0 = cores // world (at least 1)
     seed: int = 0
     topology: tuple[int, int] | None = None  # (nodes, devices per node) given to ContextParallel
@@ -71,8 +77,12 @@ class BenchRow:
     fwd_s: float = float("nan")
     fwd_bwd_s: float = float("nan")
     tflops_per_rank: float = float("nan")  # forward + backward
-    speedup: float = float("nan")  # T(one process) / T(schedule), forward + backward
+    speedup: float = float("nan")  # T(one process) / T(schedule), forward + backward: median over rounds
     fwd_speedup: float = float("nan")
+    fwd_range: tuple[float, float] = (float("nan"), float("nan"))  # lowest and highest round, seconds
+    fwd_bwd_range: tuple[float, float] = (float("nan"), float("nan"))
+    speedup_range: tuple[float, float] = (float("nan"), float("nan"))  # of the ratio within each round
+    noise: bool = False  # the speedup is above parallel_limit: not a result (see spread)
     bytes_sent: int = 0  # busiest rank, one forward + backward (payload, cpattn.core.comm accounting)
     bytes_recv: int = 0
     wire_sent: int = 0  # busiest rank, one forward + backward: sent on the wire, forwarding included
@@ -137,9 +147,12 @@ def _probe_calls(cfg: BenchConfig) -> list[Callable[[], object]]:
 
 
 def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool = False,
-               probe: bool = False) -> dict:
-    """Runs on every rank: one checked call, then warm-up and timed iterations. The one-process
-    ``baseline`` ignores the topology and layout. ``timeline``: then one more forward and backward,
+               probe: bool = False, first: bool = True) -> dict:
+    """Runs on every rank, once per round: warm-up and timed iterations (each one forward and backward step,
+    its forward timed to its end as ``fwd``, the whole step as ``fwd_bwd``); in the ``first`` round, before them,
+    one checked call and one counted call (bytes, peak memory: the first warm-up), whose results only
+    that round returns (``check``, ``bytes_*``, ``peak``, ``work``). The one-process ``baseline`` ignores the
+    topology and layout. ``timeline``: then one more forward and backward,
     after a barrier, with ``cpattn.core.trace.timeline`` active (marks "forward", "backward", "end"), returned
     as ``"timeline"``. ``probe`` (on a CPU): before each timed iteration, after a barrier, one sample of the
     speed probe (:func:`probe_blocks`; seconds in ``"probe"``)."""
@@ -155,44 +168,58 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool 
         topology = Topology(*c.topology) if device.type == "cuda" else \
             emulated_topology(c.world, c.topology[0], c.threads_per_rank(), os.cpu_count() or 1)
     cp = ContextParallel(c.seq, c.mask, schedule, topology=topology, layout=None if baseline else c.layout)
-    work = work_report(cp.layout, cp.mask, cp.padded_len, cp.world_size, cp.seq_len) if cp.rank == 0 else None
+    work = work_report(cp.layout, cp.mask, cp.padded_len, cp.world_size, cp.seq_len) \
+        if first and cp.rank == 0 else None
     q, k, v, dout = (cp.shard(x[n]) for n in ("q", "k", "v", "dout"))
     del x
     probe_calls = _probe_calls(c) if probe and device.type == "cpu" else []
     probed: list[float] = []
 
-    def step(backward: bool):
-        qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    def step():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         out = cp.attention(qq, kk, vv)
-        if backward:
-            out.backward(dout)
+        out.backward(dout)
         _sync(device)
         return out, qq, kk, vv
 
-    # correctness: the local pieces go back to the parent, which compares with one process
-    out, qq, kk, vv = step(True)
-    check = {n: t.detach().float().cpu().numpy() for n, t in
-             (("out", out), ("dq", qq.grad), ("dk", kk.grad), ("dv", vv.grad))}
+    found: dict = {"rank": cp.rank, "probe": probed}
+    warmup = c.warmup
+    if first:
+        # correctness: the local pieces go back to the parent, which compares with one process
+        out, qq, kk, vv = step()
+        found["check"] = {n: t.detach().float().cpu().numpy() for n, t in
+                          (("out", out), ("dq", qq.grad), ("dk", kk.grad), ("dv", vv.grad))}
+        found["positions"] = cp.positions().numpy()
+        cp.reset_comm_stats()
+        with memory.PeakTracker(device) as mem:
+            step()
+        traffic = cp.comm_stats()["total"]
+        found |= {"bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"],
+                  "wire_sent": traffic["wire_sent"], "peak": mem.peak_bytes,
+                  "work": None if work is None else {"max": work.max, "mean": work.mean, "imbalance": work.imbalance}}
+        warmup -= 1
+    for _ in range(max(0, warmup)):
+        step()
     times: dict[str, list[float]] = {"fwd": [], "fwd_bwd": []}
-    cp.reset_comm_stats()
-    with memory.PeakTracker(device) as mem:
-        step(True)
-    traffic = cp.comm_stats()["total"]
-    for phase, backward in (("fwd", False), ("fwd_bwd", True)):
-        for it in range(c.warmup + c.iters):
-            if probe_calls and it >= c.warmup:
-                cp.comm.barrier()
-                t0 = time.perf_counter()
-                for call in probe_calls:
-                    call()
-                probed.append(time.perf_counter() - t0)
+    for _ in range(c.iters):
+        if probe_calls:
             cp.comm.barrier()
             t0 = time.perf_counter()
-            step(backward)
-            if it >= c.warmup:
-                times[phase].append(time.perf_counter() - t0)
+            for call in probe_calls:
+                call()
+            probed.append(time.perf_counter() - t0)
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        cp.comm.barrier()
+        t0 = time.perf_counter()
+        out = cp.attention(qq, kk, vv)
+        _sync(device)
+        times["fwd"].append(time.perf_counter() - t0)  # the forward of the training step, to its end
+        out.backward(dout)
+        _sync(device)
+        times["fwd_bwd"].append(time.perf_counter() - t0)
+    found["times"] = times
     stamped = None
-    if timeline:
+    if timeline and first:
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         cp.comm.barrier()
         with trace.timeline(device) as tl:
@@ -202,10 +229,8 @@ def rank_bench(schedule: str, cfg: dict, baseline: bool = False, timeline: bool 
             out.backward(dout)
             tl.mark("end")
         stamped = tl.as_dict()
-    return {"rank": cp.rank, "positions": cp.positions().numpy(), "check": check, "times": times,
-            "bytes_sent": traffic["bytes_sent"], "bytes_recv": traffic["bytes_recv"],
-            "wire_sent": traffic["wire_sent"], "peak": mem.peak_bytes, "timeline": stamped, "probe": probed,
-            "work": None if work is None else {"max": work.max, "mean": work.mean, "imbalance": work.imbalance}}
+    found["timeline"] = stamped
+    return found
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -222,6 +247,39 @@ def _assemble(per_rank: list[dict], name: str) -> np.ndarray:
 def _slowest_median(per_rank: list[dict], phase: str) -> float:
     per_iter = zip(*(r["times"][phase] for r in per_rank))
     return statistics.median(max(ts) for ts in per_iter)
+
+
+def spread(samples: list[float]) -> tuple[float, tuple[float, float]]:
+    """``(median, (lowest, highest))`` of one figure's samples, one per round (NaN without samples)."""
+    if not samples:
+        return float("nan"), (float("nan"), float("nan"))
+    return statistics.median(samples), (min(samples), max(samples))
+
+
+def round_figures(base: list[tuple[float, float]], times: list[tuple[float, float]], limit: float) -> dict:
+    """A row's times and ratios from its rounds: ``base`` and ``times`` hold ``(fwd, fwd+bwd)`` seconds of the
+    one process and of the schedule, one pair per round. Times: median and range over rounds; ``speedup``
+    (forward+backward) and ``fwd_speedup``: the median of the ratio within each round, where both sides met
+    the same load; ``noise``: a round measured above ``limit`` (:func:`parallel_limit`): that round met a
+    load the other side did not, so neither the ratio nor its median is a result."""
+    fwd_s, fwd_range = spread([f for f, _ in times])
+    fwd_bwd_s, fwd_bwd_range = spread([fb for _, fb in times])
+    speedup, speedup_range = spread([b[1] / t[1] for b, t in zip(base, times)])
+    return {"fwd_s": fwd_s, "fwd_range": fwd_range, "fwd_bwd_s": fwd_bwd_s, "fwd_bwd_range": fwd_bwd_range,
+            "speedup": speedup, "speedup_range": speedup_range,
+            "fwd_speedup": spread([b[0] / t[0] for b, t in zip(base, times)])[0],
+            "noise": speedup_range[1] > limit}
+
+
+def parallel_limit(world: int, threads_per_rank: int, cores: int, gpus: int = 0) -> int:
+    """The largest ratio T(one process) / T(schedule) the hardware allows: the number of processors the
+    ``world`` ranks compute on at once (GPUs, else cores their threads can occupy). Even against a one
+    process that used a single one of them, no schedule runs faster than this; a ratio above it says the
+    machine's load changed between the timings (on a CPU the ranks share the one process's cores, so
+    about 1 is the real ceiling, and the range says how far to trust a ratio near it)."""
+    if gpus:
+        return min(world, gpus)
+    return max(1, min(cores, world * threads_per_rank))
 
 
 def flops(cfg: BenchConfig) -> tuple[float, float]:
@@ -328,17 +386,20 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
         flex: bool | None = None, timeline: bool = False, speed_probe: bool = False) -> dict:
     """Benchmark ``schedule_names``; returns ``{"config", "baseline", "rows", "environment"}``.
 
-    A masked configuration (:func:`is_masked`) also times dense causal attention in the one-process
-    world (``baseline["causal_fwd_s"]``, ``["causal_fwd_bwd_s"]``) and gives every row its
-    :func:`mask_efficiency`. ``flex`` adds the FlexAttention peer (:func:`rank_flex`,
-    ``baseline["flex"]``); None = only for a masked configuration. ``timeline``: each schedule stamps one
-    more forward and backward on every rank; its row gets ``hidden_fraction`` and ``extra["timeline"]``
-    (:func:`cpattn.timeline.summary` of the aligned ranks, with their ``spans``). ``speed_probe`` (on a
-    CPU): each schedule's ranks also time the speed probe before each timed iteration; its row gets
-    ``extra["speed_probe"]`` (``{"blocks", "seconds"}``: per sample, the slowest rank), which
-    :func:`predict` turns into the row's ``speed``."""
+    The one process and the schedules alternate over ``cfg.repeats`` rounds; times are the median over
+    rounds, with ``*_range`` the lowest and highest round (each round's in ``extra["rounds"]``, the one
+    process's in ``baseline["rounds"]``), and ``speedup`` the median of the ratio within
+    each round; a row whose ratio is above :func:`parallel_limit` (``environment["parallel_limit"]``) has
+    ``noise`` set. A masked configuration (:func:`is_masked`) also times dense causal attention in the
+    one-process world, in every round (``baseline["causal_fwd_s"]``, ``["causal_fwd_bwd_s"]``) and gives
+    every row its :func:`mask_efficiency`. ``flex`` adds the FlexAttention peer (:func:`rank_flex`,
+    ``baseline["flex"]``, once); None = only for a masked configuration. ``timeline``: each schedule stamps
+    one more forward and backward on every rank in the first round; its row gets ``hidden_fraction`` and
+    ``extra["timeline"]`` (:func:`cpattn.timeline.summary` of the aligned ranks, with their ``spans``).
+    ``speed_probe`` (on a CPU): each schedule's ranks also time the speed probe before each timed
+    iteration; its row gets ``extra["speed_probe"]`` (``{"blocks", "seconds"}``: per sample, the slowest
+    rank, every round's), which :func:`predict` turns into the row's ``speed``."""
     from .. import schedules
-    from .. import timeline as timelines
     from ..launcher import LocalWorld, RankError
 
     mask = masks.resolve(cfg.mask)
@@ -358,85 +419,119 @@ def run(cfg: BenchConfig, schedule_names: list[str], progress=None, timeout: flo
 
     masked = is_masked(mask)
     flex = masked if flex is None else flex
-    causal, flex_res = None, None
-    say(f"one process, {tpr * cfg.world} threads, S={cfg.seq}")
-    with LocalWorld(1, threads=tpr * cfg.world) as w:
-        base = w.run(rank_bench, timeout=timeout, name="one process", schedule="ring", cfg=asdict(cfg),
-                     baseline=True)
-        if fail(base):
-            raise RuntimeError(f"the one-process baseline failed: {fail(base)}")
-        if masked:  # the reference of the mask efficiency: dense causal attention, same shape and phases
-            say(f"one process, dense causal reference, S={cfg.seq}")
-            causal = w.run(rank_bench, timeout=timeout, name="one process, causal", schedule="ring",
-                           cfg={**asdict(cfg), "mask": "causal"}, baseline=True)
-            if fail(causal):
-                raise RuntimeError(f"the one-process causal reference failed: {fail(causal)}")
+    flex_res = None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    limit = parallel_limit(cfg.world, tpr, os.cpu_count() or 1, gpus)
+    # seconds per round: (fwd, fwd+bwd) of the one process, its dense causal reference, and each schedule
+    base_t: list[tuple[float, float]] = []
+    causal_t: list[tuple[float, float]] = []
+    rows = {name: BenchRow(name) for name in schedule_names}
+    row_t: dict[str, list[tuple[float, float]]] = {name: [] for name in schedule_names}
+    probes: dict[str, list[list[float]]] = {name: [] for name in schedule_names}
+    ref: dict[str, np.ndarray] = {}
+    base: list = []
+    say(f"starting one process ({tpr * cfg.world} threads) and {cfg.world} ranks ({tpr} each), S={cfg.seq}")
+    with LocalWorld(1, threads=tpr * cfg.world) as one, LocalWorld(cfg.world, threads=tpr) as w:
         if flex:
             say("FlexAttention peer: torch.compile (can take tens of seconds), then forward timing")
-            flex_res = w.run(rank_flex, timeout=timeout, name="flex", cfg=asdict(cfg))[0]
+            flex_res = one.run(rank_flex, timeout=timeout, name="flex", cfg=asdict(cfg))[0]
             if isinstance(flex_res, RankError):
                 flex_res = {"note": f"FlexAttention raised: {flex_res}"}
-    base_fb, base_f = _slowest_median(base, "fwd_bwd"), _slowest_median(base, "fwd")
-    ref = {n: _assemble(base, n) for n in ("out", "dq", "dk", "dv")}
+        for rnd in range(cfg.repeats):
+            first = rnd == 0
+            at = f"round {rnd + 1}/{cfg.repeats}: "
+            say(f"{at}one process")
+            res = one.run(rank_bench, timeout=timeout, name="one process", schedule="ring", cfg=asdict(cfg),
+                          baseline=True, first=first)
+            if fail(res):
+                raise RuntimeError(f"the one-process baseline failed: {fail(res)}")
+            base = res if first else base
+            base_t.append((_slowest_median(res, "fwd"), _slowest_median(res, "fwd_bwd")))
+            if masked:  # the reference of the mask efficiency: dense causal attention, same shape and phases
+                say(f"{at}one process, dense causal reference")
+                res = one.run(rank_bench, timeout=timeout, name="one process, causal", schedule="ring",
+                              cfg={**asdict(cfg), "mask": "causal"}, baseline=True, first=first)
+                if fail(res):
+                    raise RuntimeError(f"the one-process causal reference failed: {fail(res)}")
+                causal_t.append((_slowest_median(res, "fwd"), _slowest_median(res, "fwd_bwd")))
+            if first:
+                ref = {n: _assemble(base, n) for n in ("out", "dq", "dk", "dv")}
+            for name, row in rows.items():
+                if not row.ok:
+                    continue
+                say(f"{at}{name} on {cfg.world} ranks")
+                res = w.run(rank_bench, timeout=timeout, name=name, schedule=name, cfg=asdict(cfg),
+                            timeline=timeline, probe=speed_probe, first=first)
+                if fail(res):
+                    row.ok, row.note = False, fail(res)
+                    continue
+                if first:
+                    row.error = max(_rel(_assemble(res, n), ref[n]) for n in ref)
+                    if not row.error <= CHECK_TOLERANCE[cfg.dtype]:
+                        row.ok, row.note = False, f"WRONG: relative error {row.error:.2e} vs one process"
+                        continue
+                    _first_round(row, res, timeline)
+                row_t[name].append((_slowest_median(res, "fwd"), _slowest_median(res, "fwd_bwd")))
+                if res[0]["probe"]:
+                    probes[name].append([max(samples) for samples in zip(*(r["probe"] for r in res))])
     if flex_res is not None and "out" in flex_res:
         flex_res["error"] = _rel(flex_res.pop("out").astype(np.float64), ref["out"])
         if not flex_res["error"] <= CHECK_TOLERANCE[cfg.dtype]:
             flex_res = {"note": f"FlexAttention WRONG: relative error {flex_res['error']:.2e} vs one process"}
-    if causal is not None:
-        causal_fb, causal_f = _slowest_median(causal, "fwd_bwd"), _slowest_median(causal, "fwd")
-    rows = []
-    with LocalWorld(cfg.world, threads=tpr) as w:
-        for name in schedule_names:
-            say(f"{name} on {cfg.world} ranks")
-            res = w.run(rank_bench, timeout=timeout, name=name, schedule=name, cfg=asdict(cfg), timeline=timeline,
-                        probe=speed_probe)
-            row = BenchRow(name)
-            rows.append(row)
-            if fail(res):
-                row.ok, row.note = False, fail(res)
-                continue
-            row.error = max(_rel(_assemble(res, n), ref[n]) for n in ref)
-            if not row.error <= CHECK_TOLERANCE[cfg.dtype]:
-                row.ok, row.note = False, f"WRONG: relative error {row.error:.2e} vs one process"
-                continue
-            row.fwd_s, row.fwd_bwd_s = _slowest_median(res, "fwd"), _slowest_median(res, "fwd_bwd")
-            row.tflops_per_rank = total_flops / row.fwd_bwd_s / cfg.world / 1e12
-            row.speedup, row.fwd_speedup = base_fb / row.fwd_bwd_s, base_f / row.fwd_s
-            row.bytes_sent = max(r["bytes_sent"] for r in res)
-            row.bytes_recv = max(r["bytes_recv"] for r in res)
-            row.wire_sent = max(r["wire_sent"] for r in res)
-            row.peak_mem_bytes = max(r["peak"] for r in res)
-            row.extra["work"] = res[0]["work"]
-            if res[0]["probe"]:
-                row.extra["speed_probe"] = {"blocks": probe_blocks(cfg),
-                                            "seconds": [max(samples) for samples in zip(*(r["probe"] for r in res))]}
-            if causal is not None:
-                row.mask_efficiency = mask_efficiency(causal_fb, mask, cfg.seq, row.fwd_bwd_s)
-                row.fwd_mask_efficiency = mask_efficiency(causal_f, mask, cfg.seq, row.fwd_s)
-            if timeline:
-                ranks = timelines.align([timelines.spans(r["timeline"], r["rank"]) for r in res])
-                summ = timelines.summary(ranks)
-                if summ["hidden_fraction"] is not None:
-                    row.hidden_fraction = summ["hidden_fraction"]
-                row.extra["timeline"] = {"hidden_fraction": summ["hidden_fraction"], "hidden_min": summ["hidden_min"],
-                                         "step_s": summ["step_s"], "per_rank": summ["ranks"], "spans": ranks}
-    baseline = {"fwd_s": base_f, "fwd_bwd_s": base_fb, "peak_mem_bytes": base[0]["peak"],
-                "tflops": total_flops / base_fb / 1e12, "fwd_flops": fwd_flops, "fwd_bwd_flops": total_flops}
-    if causal is not None:
+    base_f, base_f_range = spread([f for f, _ in base_t])
+    base_fb, base_fb_range = spread([fb for _, fb in base_t])
+    causal_f, causal_fb = spread([f for f, _ in causal_t])[0], spread([fb for _, fb in causal_t])[0]
+    for name, row in rows.items():
+        if not row.ok:
+            continue
+        for key, value in round_figures(base_t, row_t[name], limit).items():
+            setattr(row, key, value)
+        row.extra["rounds"] = {"fwd_s": [f for f, _ in row_t[name]], "fwd_bwd_s": [fb for _, fb in row_t[name]]}
+        row.tflops_per_rank = total_flops / row.fwd_bwd_s / cfg.world / 1e12
+        if probes[name]:
+            seconds = [s for samples in probes[name] for s in samples]
+            row.extra["speed_probe"] = {"blocks": probe_blocks(cfg), "seconds": seconds}
+        if masked:
+            row.mask_efficiency = mask_efficiency(causal_fb, mask, cfg.seq, row.fwd_bwd_s)
+            row.fwd_mask_efficiency = mask_efficiency(causal_f, mask, cfg.seq, row.fwd_s)
+    baseline = {"fwd_s": base_f, "fwd_bwd_s": base_fb, "fwd_range": list(base_f_range),
+                "fwd_bwd_range": list(base_fb_range),
+                "rounds": {"fwd_s": [f for f, _ in base_t], "fwd_bwd_s": [fb for _, fb in base_t]},
+                "peak_mem_bytes": base[0]["peak"], "tflops": total_flops / base_fb / 1e12, "fwd_flops": fwd_flops,
+                "fwd_bwd_flops": total_flops}
+    if masked:
         baseline |= {"causal_fwd_s": causal_f, "causal_fwd_bwd_s": causal_fb,
                      "mask_efficiency": mask_efficiency(causal_fb, mask, cfg.seq, base_fb),
                      "fwd_mask_efficiency": mask_efficiency(causal_f, mask, cfg.seq, base_f)}
     if flex_res is not None:
-        if "fwd_s" in flex_res and causal is not None:
+        if "fwd_s" in flex_res and masked:
             flex_res["fwd_mask_efficiency"] = mask_efficiency(causal_f, mask, cfg.seq, flex_res["fwd_s"])
         baseline["flex"] = flex_res
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     env = {"cores": os.cpu_count(), "threads_per_rank": tpr, "torch": torch.__version__,
            "device": "cuda" if gpus else "cpu", "backend": "gloo", "gpus": gpus,
-           "transfers": "staged through host buffers" if gpus else "host"}
+           "transfers": "staged through host buffers" if gpus else "host", "parallel_limit": limit}
     if sharing(cfg.world, gpus):
         env["sharing"] = sharing(cfg.world, gpus)
-    return {"config": asdict(cfg), "baseline": baseline, "rows": [asdict(r) for r in rows], "environment": env}
+    return {"config": asdict(cfg), "baseline": baseline, "rows": [asdict(r) for r in rows.values()],
+            "environment": env}
+
+
+def _first_round(row: BenchRow, res: list[dict], timeline: bool) -> None:
+    """What a row takes from its first round only: bytes, peak memory, the layout's work, the timeline."""
+    from .. import timeline as timelines
+
+    row.bytes_sent = max(r["bytes_sent"] for r in res)
+    row.bytes_recv = max(r["bytes_recv"] for r in res)
+    row.wire_sent = max(r["wire_sent"] for r in res)
+    row.peak_mem_bytes = max(r["peak"] for r in res)
+    row.extra["work"] = res[0]["work"]
+    if timeline:
+        ranks = timelines.align([timelines.spans(r["timeline"], r["rank"]) for r in res])
+        summ = timelines.summary(ranks)
+        if summ["hidden_fraction"] is not None:
+            row.hidden_fraction = summ["hidden_fraction"]
+        row.extra["timeline"] = {"hidden_fraction": summ["hidden_fraction"], "hidden_min": summ["hidden_min"],
+                                 "step_s": summ["step_s"], "per_rank": summ["ranks"], "spans": ranks}
 
 
 def emulated_topology(world: int, nodes: int, threads_per_rank: int, cores: int, profile=None):

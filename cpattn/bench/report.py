@@ -19,7 +19,8 @@ from ..timeline import chrome_trace, draw, fraction_text, lanes
 from .measure import emulated_topology
 
 #: the probed rows on each side of a row whose probe samples set its speed (:func:`predict`): a row's own
-#: 4-6 samples carry the second-to-second jitter, a whole configuration's miss the drift within it
+#: samples (one per timed iteration) carry the second-to-second jitter, a whole configuration's miss the
+#: drift within it
 SPEED_WINDOW = 1
 
 
@@ -140,10 +141,25 @@ def render(result: dict, width: int | None = None):
     caption = "".join(f"{n}; " for n in notes)
     if env.get("sharing"):
         caption += f"NOTE: {env['sharing']}; "
+    limit = env.get("parallel_limit")
+    noisy = [r["schedule"] for r in result["rows"] if r["ok"] and r.get("noise")]
+    if noisy:
+        caption += (f"NOISE: {', '.join(noisy)} measured above {limit}x the one process, more than the "
+                    f"{limit} {'GPU' if env.get('gpus') else 'core'}{'s' if limit > 1 else ''} the ranks run on "
+                    "allow: the machine's load changed between the timings, so no ratio of this run is a "
+                    "result; rerun on an idle machine, or with more --repeats; ")
+    repeats = cfg.get("repeats", 1)
     caption += (f"one process ({env['threads_per_rank'] * cfg['world']} threads): "
-                f"fwd {base['fwd_s'] * 1e3:.1f} ms, fwd+bwd {base['fwd_bwd_s'] * 1e3:.1f} ms; "
-                "times: median over iterations of the slowest rank; "
-                "TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd; vs X = T(X) / T(schedule), "
+                f"fwd {_ms(base['fwd_s'], base.get('fwd_range'))} ms, "
+                f"fwd+bwd {_ms(base['fwd_bwd_s'], base.get('fwd_bwd_range'))} ms; "
+                + (f"times: median (lowest-highest) over {repeats} rounds, the one process and the schedules "
+                   "alternating, each round's time the median over its iterations of the slowest rank; "
+                   "vs 1 proc = T(one process) / T(schedule) within each round, median (lowest-highest)"
+                   if repeats > 1 else "times: median over iterations of the slowest rank")
+                + (f", above {limit}x noise (the ranks' {limit} {'GPU' if env.get('gpus') else 'core'}"
+                   f"{'s' if limit > 1 else ''} allow no more; on a CPU they share the one process's cores, so "
+                   "about 1x is the real ceiling)" if limit else "")
+                + "; TFLOP/s counts only allowed (q, k) pairs, bwd = 2.5 x fwd; vs X = T(X) / T(schedule), "
                 "forward+backward; layout work max/mean = allowed pairs of the busiest rank's queries over the mean")
     caption += "; peak MB/rank = most live tensor bytes during one forward+backward (cpattn.memory)"
     caption += ("; sent/recv MB/rank = payload (cpattn.core.comm accounting); wire MB/rank = bytes the busiest rank "
@@ -182,9 +198,9 @@ def render(result: dict, width: int | None = None):
                          else "" for h in headers])
             continue
         work = r["extra"].get("work")
-        cells = [r["schedule"], f"{r['fwd_s'] * 1e3:.1f}",
+        cells = [r["schedule"], _ms(r["fwd_s"], r.get("fwd_range")),
                  *([f"{flex['fwd_s'] * 1e3:.1f}" if "fwd_s" in flex else "-"] if flex is not None else []),
-                 f"{r['fwd_bwd_s'] * 1e3:.1f}", f"{r['tflops_per_rank']:.4f}", f"{r['speedup']:.2f}x",
+                 _ms(r["fwd_bwd_s"], r.get("fwd_bwd_range")), f"{r['tflops_per_rank']:.4f}", ratio_text(r),
                  *([f"{r['mask_efficiency']:.2f}"] if masked else []),
                  *[f"{ok[n]['fwd_bwd_s'] / r['fwd_bwd_s']:.2f}x" for n in refs],
                  *([fraction_text(r["extra"].get("timeline", {}).get("hidden_fraction"))] if traced else []),
@@ -200,6 +216,28 @@ def render(result: dict, width: int | None = None):
         rows.append(cells)
     return table(cols, rows, title=title, caption=caption, width=width,
                  everything="--json PATH has every figure")
+
+
+def _finite_range(rng) -> tuple[float, float] | None:
+    return tuple(rng) if rng is not None and len(rng) == 2 and all(map(math.isfinite, rng)) else None
+
+
+def _ms(seconds: float, rng=None) -> str:
+    """A time in ms, with the lowest and highest round when there were several."""
+    rng = _finite_range(rng)
+    if rng is None:
+        return f"{seconds * 1e3:.1f}"
+    lo, hi = (f"{x * 1e3:.0f}" if x >= 0.01 else f"{x * 1e3:.1f}" for x in rng)
+    return f"{seconds * 1e3:.1f} ({lo}-{hi})"
+
+
+def ratio_text(row: dict) -> str:
+    """A row's T(one process) / T(schedule): the median with its range over rounds, or, when the median is
+    above what the hardware allows (``row["noise"]``), only the range, marked noise: never a result."""
+    rng = _finite_range(row.get("speedup_range"))
+    if row.get("noise"):
+        return f"noise ({rng[0]:.2f}-{rng[1]:.2f}x)" if rng else "noise"
+    return f"{row['speedup']:.2f}x" + (f" ({rng[0]:.2f}-{rng[1]:.2f})" if rng else "")
 
 
 def measured_kernel_s(row: dict) -> float:
@@ -322,7 +360,8 @@ def config_label(config: dict) -> str:
 
 def plot(results: dict | list[dict], path: str) -> None:
     """PNG: for every configuration of ``results`` (:func:`run` results, or one), a bar panel of the
-    forward+backward efficiency (one process / schedule) per schedule, side by side on one scale; below
+    forward+backward efficiency (one process / schedule) per schedule, with the lowest and highest round as
+    error bars and noise rows hatched, side by side on one scale; below
     them, for rows with a timeline (``run(..., timeline=True)``), a per-rank panel of its stamped step
     (``cpattn.timeline.draw``): every configuration's when there are at most :data:`PLOT_TIMELINES`,
     else the last configuration's (the title says so; ``--trace`` writes them all)."""
@@ -354,7 +393,14 @@ def plot(results: dict | list[dict], path: str) -> None:
         first = first or ax
         rows = [r for r in res["rows"] if r["ok"]]
         ax.bar([r["schedule"] for r in rows], [r["speedup"] for r in rows],
-               color=[schedule_style(r["schedule"])["color"] for r in rows])  # a schedule's colour in every panel
+               color=[schedule_style(r["schedule"])["color"] for r in rows],  # a schedule's colour in every panel
+               hatch=[("//" if r.get("noise") else "") for r in rows])  # noise: hatched, the caption says why
+        spans = [(i, r["speedup"], _finite_range(r.get("speedup_range"))) for i, r in enumerate(rows)]
+        spans = [(i, mid, rng) for i, mid, rng in spans if rng]
+        if spans:  # the lowest and highest round
+            ax.errorbar([i for i, _, _ in spans], [mid for _, mid, _ in spans],
+                        yerr=[[mid - rng[0] for _, mid, rng in spans], [rng[1] - mid for _, mid, rng in spans]],
+                        fmt="none", ecolor="black", capsize=3, lw=0.8)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         if i % ncols == 0:
             ax.set_ylabel("T(one process) / T(schedule)")

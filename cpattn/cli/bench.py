@@ -31,8 +31,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     b.add_argument("--dtype", default="float32", choices=a.dtypes())
     b.add_argument("--schedules", type=a.csv(str), default=None,
                    help="comma-separated names (default: every schedule that supports the mask)")
-    b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--iters", type=a.positive, default=3)
+    b.add_argument("--repeats", type=a.positive, default=3,
+                   help="rounds in which the one process and every schedule run in turn (default 3); the table "
+                        "shows the median over rounds and the lowest-highest")
+    b.add_argument("--warmup", type=int, default=1, help="untimed calls per round (default 1)")
+    b.add_argument("--iters", type=a.positive, default=1,
+                   help="timed iterations per phase per round (default 1); a round's time is their median")
     b.add_argument("--threads", type=int, default=0, help="torch threads per rank (default cores / world)")
     b.add_argument("--flex", action=argparse.BooleanOptionalAction, default=None,
                    help="time torch FlexAttention (torch.compile, forward only, one process) as a peer column; "
@@ -102,7 +106,8 @@ def configs(args) -> list[tuple]:
     for world, seq, mask, layout in itertools.product(worlds, args.seq, args.mask, args.layout):
         cfg = bench.BenchConfig(world=world, seq=seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                                 head_dim=args.head_dim, mask=mask, dtype=args.dtype, warmup=args.warmup,
-                                iters=args.iters, threads=args.threads, topology=shape, layout=layout)
+                                iters=args.iters, repeats=args.repeats, threads=args.threads, topology=shape,
+                                layout=layout)
         out.append((cfg, *supporting(args.schedules, mask, layout)))
     return out
 
