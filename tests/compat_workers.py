@@ -195,6 +195,10 @@ def bad_inputs() -> dict[str, tuple[str, str]]:
         q, q, q, torch.tensor([0, 1, 8], dtype=torch.int32), cu_k, mq, mk, 1, ks, causal=True)
     cases["prepared causal"] = lambda: ring_flash_attn.llama3_flash_attn_varlen_func(
         q, q, q, cu_q, cu_k, mq, mk, 1, ks, causal=False)
+    # only the last rank's value is wrong: every rank raises its error
+    bad = slice(ks.start, ks.stop + 1) if rank == world - 1 else ks
+    cases["one rank's local_k_slice"] = lambda: ring_flash_attn.llama3_flash_attn_varlen_func(
+        q, q, q, cu_q, cu_k, mq, mk, 1, bad, causal=True)
     found = {}
     for name, call in cases.items():
         try:

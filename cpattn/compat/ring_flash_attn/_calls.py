@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_left
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ... import agree
 from ...api import ContextParallel
 from ...core import layout as layout_mod
+from ...core.comm import Communicator
 from ...core.masks import Mask, causal, document, full
 from ...core.memo import BoundedCache
 from ...functional import _window_mask
@@ -35,7 +38,9 @@ from ...functional import _window_mask
 OBJECTS_KEPT = 32
 _OBJECTS = BoundedCache(OBJECTS_KEPT)  # by value: (schedule, ranks, seq_len, mask, layout)
 _BY_TENSOR = BoundedCache(OBJECTS_KEPT)  # by a cu_seqlens tensor's identity and version: the object above
-_PREPARED = BoundedCache(OBJECTS_KEPT)  # by the identity of a prepared cu_seqlens_q: its Prepared record
+#: the last OBJECTS_KEPT records of llama3_flash_attn_prepare_cu_seqlens, by the identity of the cu_seqlens_q it
+#: returned (the record holds that tensor, so its id is not reused while the record is kept)
+_PREPARED: OrderedDict[int, Prepared] = OrderedDict()
 _GROUPS = BoundedCache(OBJECTS_KEPT)  # by a process group's identity: (rank, global ranks of its members)
 
 
@@ -101,11 +106,27 @@ def document_mask(lengths: list[int], is_causal: bool, window_size) -> Mask:
     return docs if window in (causal(), full()) else docs & window
 
 
-def context_parallel(schedule: str, group, seq_len: int, mask: Mask, layout) -> ContextParallel:
-    """The ContextParallel for these settings, made once (collective: every rank of ``group`` makes it at
-    the same call) and kept by value."""
+def context_parallel(what: str, group, settings) -> ContextParallel:
+    """The ContextParallel for ``settings()`` -> ``(schedule, seq_len, mask, layout)``, made once and kept by
+    value. When it is new (a step's first call, on every rank alike) the ranks first agree (one small
+    exchange): an error ``settings()`` raised on any rank is raised on every rank, the same, before any
+    attention traffic; then every rank makes it (collectively)."""
     _rank, ranks = members(group)
-    key = (schedule, ranks, seq_len, mask, layout)
+    error, key = None, None
+    try:
+        schedule, seq_len, mask, layout = settings()
+        key = (schedule, ranks, seq_len, mask, layout)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        error = exc
+    if key is not None and key in _OBJECTS:
+        return _OBJECTS.get(key, None)
+    if len(ranks) > 1:
+        comm = Communicator(group, record=False)
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if "nccl" in comm.backends.values() and torch.cuda.is_available() else torch.device("cpu")
+        agree.agree(comm, what, {}, error, device)
+    elif error is not None:
+        raise error
     return _OBJECTS.get(key, lambda: ContextParallel(seq_len, mask=mask, schedule=schedule, group=group,
                                                      layout=layout))
 
@@ -141,7 +162,7 @@ def varlen_object(q: torch.Tensor, cu_seqlens, group, zigzag: bool, is_causal: b
     key = ("varlen", id(cu_seqlens), cu_seqlens._version if fast else None, zigzag, ranks, bool(is_causal),
            tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size, q.shape[0])
 
-    def build() -> ContextParallel:
+    def settings():
         bounds = read_bounds(cu_seqlens, "cu_seqlens")
         if bounds[-1] != q.shape[0]:
             raise ValueError(f"cu_seqlens ends at {bounds[-1]} but q holds {q.shape[0]} tokens (dim 0): the local "
@@ -152,12 +173,12 @@ def varlen_object(q: torch.Tensor, cu_seqlens, group, zigzag: bool, is_causal: b
                              f"zigzag layout holds two equal chunks of every document per rank, so every local "
                              "document length must be even")
         mask = document_mask([world * n for n in _lengths(bounds)], is_causal, window_size)
-        layout = per_document_layout(bounds, world, zigzag)
-        return context_parallel("zigzag_ring" if zigzag else "ring", group, world * bounds[-1], mask, layout)
+        return "zigzag_ring" if zigzag else "ring", world * bounds[-1], mask, per_document_layout(bounds, world, zigzag)
 
+    what = f"{'zigzag_' if zigzag else ''}ring_flash_attn_varlen_func"
     if not fast:
-        return build()
-    return _BY_TENSOR.get_for(cu_seqlens, key, build)
+        return context_parallel(what, group, settings)
+    return _BY_TENSOR.get_for(cu_seqlens, key, lambda: context_parallel(what, group, settings))
 
 
 def packed_attention(cp: ContextParallel, q, k, v, softmax_scale, return_attn_probs, softcap=None, sinks=None):
@@ -233,19 +254,21 @@ def prepare(cu_seqlens, is_causal: bool, rank: int, world_size: int):
     cu_k = torch.tensor(k_bounds, dtype=like.dtype, device=like.device)
     record = Prepared(bounds, bool(is_causal), rank, world_size, cu_q, cu_k, q_bounds, k_bounds, max_q, max_k,
                       slice(k_left, k_right), cu_q._version)
-    _PREPARED.put(("prepared", id(cu_q)), (cu_q, record))
+    _PREPARED[id(cu_q)] = record
+    while len(_PREPARED) > OBJECTS_KEPT:
+        _PREPARED.popitem(last=False)
     return cu_q, cu_k, max_q, max_k, slice(k_left, k_right)
 
 
 def _find_prepared(cu_seqlens_q, cu_seqlens_k, rank: int, world: int) -> Prepared:
     """The record of the prepared values a call passes: by the identity of ``cu_seqlens_q``, else by the
     values of both (read from the device); ValueError when no prepared values of this process match."""
-    entry = _PREPARED._items.get(("prepared", id(cu_seqlens_q)))
-    if entry is not None and entry[0] is cu_seqlens_q and entry[1].version == cu_seqlens_q._version:
-        return entry[1]
+    record = _PREPARED.get(id(cu_seqlens_q))
+    if record is not None and record.cu_seqlens_q is cu_seqlens_q and record.version == cu_seqlens_q._version:
+        return record
     q_bounds = read_bounds(cu_seqlens_q, "cu_seqlens_q")
     k_bounds = read_bounds(cu_seqlens_k, "cu_seqlens_k")
-    for _cu, record in reversed(list(_PREPARED._items.values())):
+    for record in reversed(_PREPARED.values()):
         if (record.q_bounds, record.k_bounds, record.rank, record.world) == (q_bounds, k_bounds, rank, world):
             return record
     raise ValueError("cu_seqlens_q and cu_seqlens_k were not made by llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, "
@@ -254,12 +277,9 @@ def _find_prepared(cu_seqlens_q, cu_seqlens_k, rank: int, world: int) -> Prepare
                      "update_ring_flash_attn_params does) and pass its values")
 
 
-def llama3_object(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  heads_k_stride, local_k_slice, is_causal: bool, window_size, group) -> ContextParallel:
-    """The ContextParallel of a llama3 varlen call, after checking the prepared values against the record
-    of :func:`prepare` (``q``, ``k`` as ``[b, s_local, h, d]``)."""
-    rank, ranks = members(group)
-    world = len(ranks)
+def _check_prepared(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    heads_k_stride, local_k_slice, is_causal: bool, rank: int, world: int) -> Prepared:
+    """The record of the prepared values a llama3 call passes, after checking them against it."""
     record = _find_prepared(cu_seqlens_q, cu_seqlens_k, rank, world)
     if cu_seqlens_k is not record.cu_seqlens_k and read_bounds(cu_seqlens_k, "cu_seqlens_k") != record.k_bounds:
         raise ValueError(f"cu_seqlens_k {_show(read_bounds(cu_seqlens_k, 'cu_seqlens_k'))} is not the one prepared "
@@ -285,13 +305,35 @@ def llama3_object(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_k, 
             or k.shape[2] % heads_k_stride:
         raise ValueError(f"heads_k_stride={heads_k_stride!r} must be a positive int that divides the {k.shape[2]} "
                          "key/value heads")
-    key = ("llama3", id(record), ranks, tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size)
+    return record
 
-    def build() -> ContextParallel:
+
+def llama3_object(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  heads_k_stride, local_k_slice, is_causal: bool, window_size, group) -> ContextParallel:
+    """The ContextParallel of a llama3 varlen call (``q``, ``k`` as ``[b, s_local, h, d]``), after checking the
+    prepared values against the record of :func:`prepare`; a step's first call agrees on them between the
+    ranks, so a bad value on any rank raises on every rank."""
+    rank, ranks = members(group)
+    world = len(ranks)
+    checked = (q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
+               is_causal, rank, world)
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    try:
+        record = _check_prepared(*checked)
+    except (ValueError, TypeError) as exc:
+        failed = exc
+
+        def settings():
+            raise failed
+
+        return context_parallel("llama3_flash_attn_varlen_func", group, settings)
+
+    def settings():
         mask = document_mask(_lengths(record.bounds), is_causal, window_size)
-        return context_parallel("allgather", group, record.bounds[-1], mask, "contiguous")
+        return "allgather", record.bounds[-1], mask, "contiguous"
 
-    return _BY_TENSOR.get_for(record, key, build)
+    return _BY_TENSOR.get_for(record, ("llama3", id(record), ranks, window),
+                              lambda: context_parallel("llama3_flash_attn_varlen_func", group, settings))
 
 
 def llama3_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
