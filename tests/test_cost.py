@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -632,6 +633,32 @@ def test_simulate_command_prints_and_plots(tmp_path, capsys):
     missing = [(r["gpus"], r["schedule"]) for r in rows if not r["estimate"]]
     assert missing == [(64, "ulysses")]  # 8 heads cannot split over 64 ranks (usp takes 8 of them)
     assert "zigzag_ring" in capsys.readouterr().out
+
+
+def test_simulate_says_why_a_schedule_is_far_slower_than_ring(capsys):
+    """A schedule predicted hundreds of times ring's time (RingX's per-owner collectives over thousands
+    of GPUs) prints its ratio with two significant digits, never "0.00x", and a note with the reason:
+    its exposed communication and the collectives its steps() issue over the whole group."""
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from cpattn.cli import simulate
+
+    problem, topo = Problem(4096, 8, "causal", 1, 8, 2, 64), presets.preset("frontier", 8)
+    ring = estimate("ring", problem, topo)
+    slow = replace(estimate("ringx4", problem, topo), total=250 * ring.total, exposed_comm=249 * ring.total)
+    rows = [{"gpus": 8, "seq": 4096, "schedule": "ring", "estimate": ring, "note": ""},
+            {"gpus": 8, "seq": 4096, "schedule": "ringx4", "estimate": slow, "note": ""}]
+    simulate._explain_slow(rows, problem, topo, "forward+backward", 1.0)
+    assert rows[0]["note"] == ""
+    note = rows[1]["note"]
+    assert "ringx4 predicts 250x ring's time at 8 GPUs (vs ring 0.004x, not zero): 99.6% of" in note
+    assert "broadcast" in note and "reduce" in note and "over the 8 GPUs" in note and "--algorithm tree" in note
+    console = Console(width=400, file=io.StringIO(), color_system=None)
+    simulate._print_times(console, rows, "title")
+    text = console.file.getvalue()
+    assert "0.004x" in text and "0.00x" not in text and "ringx4 predicts 250x" in text
 
 
 def test_auto_with_a_nominal_shape_does_not_refuse_for_memory():

@@ -162,6 +162,8 @@ def run(args) -> int:
                     row["note"] = row["note"] or note
                 rows.append(row)
                 progress.advance(task)
+            if "estimate" in phases:
+                _explain_slow([r for r in rows if r["gpus"] == p], problem, topo, args.phase, args.time_budget)
     out = stdout(to_stdout(args.json))
     # the mask as the title names it: its repr, or the documents packed under it (--documents)
     label = repr(mask) if args.documents is None else f"{args.documents} documents (seed {args.seed}), {args.mask}"
@@ -206,7 +208,8 @@ def _print_times(out, rows: list[dict], title: str) -> None:
         if e is None:
             cells.append([str(r["gpus"]), str(r["seq"]), r["schedule"], *["-"] * 9, mark or r["note"]])
             continue
-        vs = f"{ring[r['gpus']].total / e.total:.2f}x" if r["gpus"] in ring else "-"
+        ratio = ring[r["gpus"]].total / e.total if r["gpus"] in ring else None
+        vs = "-" if ratio is None else f"{ratio:.2f}x" if ratio >= 0.01 else f"{ratio:.2g}x"  # never 0.00x
         cells.append([str(r["gpus"]), str(r["seq"]), r["schedule"], f"{e.total * 1e3:.4g}", f"{e.compute * 1e3:.4g}",
                       f"{e.comm * 1e3:.4g}", f"{e.exposed_comm * 1e3:.4g}", f"{e.tflops_per_rank(r['gpus']):.3g}", vs,
                       f"{e.bytes_per_rank / 1e6:.4g}", f"{e.wire_bytes_per_rank / 1e6:.4g}",
@@ -304,6 +307,46 @@ def run_model(args) -> int:
     if args.json:
         save_json([asdict(r) for r in rows], args.json)
     return 0
+
+
+#: a schedule this many times slower than ring gets a note saying why (its ratio would print as 0.00x)
+SLOW_VS_RING = 100.0
+
+
+def _explain_slow(rows: list[dict], problem, topo, phase: str, time_budget: float) -> None:
+    """Give each row of one GPU count that predicts :data:`SLOW_VS_RING` times ring's time or more a note
+    saying why: how much of its time is exposed communication, and the collectives it issues per call
+    (from its ``steps()``), each over the whole group and paying its latency there."""
+    from collections import Counter
+
+    from .. import schedules
+    from ..core.steps import split_phase
+
+    ring = next((r["estimate"] for r in rows if r["schedule"] == "ring" and r["estimate"] is not None), None)
+    for r in rows:
+        e = r["estimate"]
+        if ring is None or e is None or r["note"] or e.total < SLOW_VS_RING * ring.total:
+            continue
+        ops: Counter = Counter()
+        sizes: list[int] = []
+        try:
+            sched = schedules.resolve(a.planned_schedule(r["schedule"], time_budget))
+            for ph in split_phase(phase):
+                for step in sched.steps(problem, ph, topo):
+                    ops.update(op.op for op in step.comm)
+                    sizes += [op.bytes for op in step.comm]
+        except NotImplementedError:  # a schedule that plans: its plan, not steps(), says what it sends
+            pass
+        calls = (f"{sum(ops.values())} collectives per call ("
+                 + ", ".join(f"{n} {op}" for op, n in ops.most_common()) + f") over the {r['gpus']} GPUs, "
+                 f"{sum(sizes) / len(sizes) / 2**20:.3g} MiB each on average, issued one after another; "
+                 if ops else "")
+        r["note"] = (f"{r['schedule']} predicts {e.total / ring.total:.0f}x ring's time at {r['gpus']} GPUs "
+                     f"(vs ring {ring.total / e.total:.2g}x, not zero): {e.exposed_comm / e.total:.1%} of its "
+                     f"{e.total:.3g} s is exposed communication: {calls}each pays the latency of a collective "
+                     f"across the whole group under the topology's algorithms ({topo.algorithm}; `--algorithm "
+                     f"tree` prices tree collectives), and {problem.seq_len // r['gpus']} tokens per GPU leave "
+                     "no compute to hide it")
 
 
 def _estimate(name, problem, topo, phase: str) -> tuple[object | None, str]:
