@@ -229,11 +229,22 @@ def hf_training_steps(steps: list[list[int]], seed: int = 0) -> list[dict]:
     running its contiguous slice through a Hugging Face Llama whose attention implementation is
     flash_attention_2. Per step: the gathered logits of the real tokens, the loss, and every parameter's
     gradient summed over the ranks; the reference runs each document alone in one process (sdpa)."""
+    import transformers.modeling_flash_attention_utils as fa_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_llama(seed)
     reference = copy.deepcopy(model)
     model.config._attn_implementation = "flash_attention_2"  # without the flash-attn package (docs/compat.md)
+    saved = fa_utils._flash_attention_forward, ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
     substitute_hf_flash_attn(None, heads_k_stride=1)
+    try:
+        return _steps(model, reference, steps, seed, rank, world)
+    finally:  # this worker runs other tests after this one
+        fa_utils._flash_attention_forward, ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = saved
+
+
+def _steps(model, reference, steps: list[list[int]], seed: int, rank: int, world: int) -> list[dict]:
     found = []
     for step, lengths in enumerate(steps):
         gen = torch.Generator().manual_seed(1000 * seed + step)

@@ -6,6 +6,7 @@ and a Hugging Face model trained the way OpenRLHF-style frameworks drive the ada
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import random
 import sys
@@ -396,6 +397,9 @@ def test_the_adapter_passes_check_params_and_use_ring_attn_switches(monkeypatch)
 
     replaced.__signature__ = inspect.signature(fa_utils._flash_attention_forward)
     monkeypatch.setattr(fa_utils, "_flash_attention_forward", replaced)
+    find_spec = importlib.util.find_spec  # where flash-attn is installed, "off" runs the function it replaced
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
+                        else find_spec(name, *a))
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "flash_attention_2", ALL_ATTENTION_FUNCTIONS["flash_attention_2"])
     hf_adapter.substitute_hf_flash_attn(None, 1)
     assert hf_adapter.check_params(replaced, fa_utils._flash_attention_forward)
@@ -403,6 +407,48 @@ def test_the_adapter_passes_check_params_and_use_ring_attn_switches(monkeypatch)
     hf_adapter.use_ring_attn(False)
     try:
         assert fa_utils._flash_attention_forward(1, 2, 3, None, 4, True) == "previous" and calls == [6]
+    finally:
+        hf_adapter.use_ring_attn(True)
+
+
+def test_use_ring_attn_off_is_exact_local_attention_without_flash_attn(monkeypatch):
+    """With the adapter off, a model runs its own tensors alone with transformers' meaning of a padding mask
+    (left and right) and of packed position_ids: its logits equal each sequence run alone (float64)."""
+    pytest.importorskip("transformers")
+    import compat_workers as w
+    import transformers.modeling_flash_attention_utils as fa_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cpattn.compat.install("ring_flash_attn")
+    from ring_flash_attn.adapters import hf_adapter
+
+    monkeypatch.setattr(fa_utils, "_flash_attention_forward", fa_utils._flash_attention_forward)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "flash_attention_2", ALL_ATTENTION_FUNCTIONS["flash_attention_2"])
+    model = w.tiny_llama(3)
+    reference = w.tiny_llama(3)
+    model.config._attn_implementation = "flash_attention_2"
+    hf_adapter.substitute_hf_flash_attn(None, 1)
+    hf_adapter.use_ring_attn(False)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        ids = torch.randint(0, 96, (2, 12), generator=gen)
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[0, :3] = 0  # left padding
+        mask[1, 8:] = 0  # right padding
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        for row in range(2):
+            keep = mask[row].bool()
+            alone = reference(input_ids=ids[row, keep][None]).logits[0]
+            assert (logits[row, keep] - alone).abs().max() < 1e-10
+        packed = torch.randint(0, 96, (1, 12), generator=gen)
+        positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+        logits = model(input_ids=packed, position_ids=positions).logits[0]
+        for a, b in ((0, 5), (5, 12)):
+            alone = reference(input_ids=packed[:, a:b]).logits[0]
+            assert (logits[a:b] - alone).abs().max() < 1e-10
+        whole = reference(input_ids=packed).logits[0]
+        assert (logits[5:] - whole[5:]).abs().max() > 1e-3  # the documents mattered
     finally:
         hf_adapter.use_ring_attn(True)
 

@@ -18,6 +18,7 @@ model is built or loaded; build it with ``"sdpa"`` (or ``"eager"``) and then set
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import os
 
@@ -50,10 +51,92 @@ def update_ring_flash_attn_params(cu_seqlens: torch.Tensor, process_group: dist.
 
 
 def use_ring_attn(flag: bool) -> None:
-    """Turn the substituted attention on (context-parallel) or off (the function it replaced: exact local
-    attention where the flash-attn package is installed)."""
+    """Turn the substituted attention on (context-parallel) or off: exact attention of this rank's tensors
+    alone, by the function it replaced where the flash-attn package is installed, else by cpattn on a group of
+    this process alone, with transformers' meaning of ``attention_mask``, ``cu_seq_lens_q`` and packed
+    ``position_ids``."""
     global RING_ATTN_SWITCH
     RING_ATTN_SWITCH = flag
+
+
+_SELF_GROUP: list = []  # the process group of this process alone, made on first use
+
+
+def _self_group():
+    """A group of this process alone (None without torch.distributed)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    if not _SELF_GROUP:
+        _SELF_GROUP.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+    return _SELF_GROUP[0]
+
+
+def _runs(flags: list[bool]) -> list[tuple[bool, int]]:
+    """``flags`` as (value, length) runs."""
+    runs: list[tuple[bool, int]] = []
+    for f in flags:
+        if runs and runs[-1][0] == f:
+            runs[-1] = (f, runs[-1][1] + 1)
+        else:
+            runs.append((f, 1))
+    return runs
+
+
+def _local_documents(batch: int, seq: int, attention_mask, position_ids, cu_seq_lens_q) -> tuple[list[int], list]:
+    """The documents of a local call's rows flattened into one sequence, as transformers reads them (a padding
+    mask first, then ``cu_seq_lens_q``, then packed ``position_ids``, else one document per row), and the
+    flattened padding flags (padding tokens become one-token documents whose output is zeroed)."""
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (batch, seq):
+            raise NotImplementedError(f"attention_mask of shape {tuple(attention_mask.shape)}: a [batch, seq] = "
+                                      f"[{batch}, {seq}] padding mask is supported")
+        valid = attention_mask.bool().reshape(-1).tolist()
+        lengths: list[int] = []
+        for row in range(batch):
+            runs = _runs(valid[row * seq:(row + 1) * seq])
+            if sum(1 for flag, _n in runs if flag) > 1:
+                raise NotImplementedError("attention_mask with gaps inside a row: only left or right padding is "
+                                          "supported")
+            for flag, n in runs:
+                lengths += [n] if flag else [1] * n
+        return lengths, valid
+    if cu_seq_lens_q is not None:
+        bounds = cu_seq_lens_q.tolist()
+        return [b - a for a, b in zip(bounds, bounds[1:]) if b > a], []
+    if position_ids is not None and batch == 1 and seq > 1:
+        flat = position_ids.reshape(-1)
+        low = flat.min()
+        if not torch.equal(flat, torch.arange(seq, device=flat.device) + low):  # packed: positions restart
+            starts = [i for i in (flat == low).nonzero().flatten().tolist() if i > 0]
+            bounds = [0, *starts, seq]
+            return [b - a for a, b in zip(bounds, bounds[1:])], []
+    return [seq] * batch, []
+
+
+def _local_forward(query_states, key_states, value_states, attention_mask, query_length: int, is_causal: bool,
+                   dropout: float = 0.0, position_ids=None, softmax_scale=None, sliding_window=None,
+                   use_top_left_mask: bool = False, softcap=None, deterministic=None, cu_seq_lens_q=None,
+                   s_aux=None, **_ignored):
+    """Exact attention of this rank's ``[b, s, h, d]`` tensors alone (``use_ring_attn(False)`` without the
+    flash-attn package)."""
+    batch, seq = query_states.shape[:2]
+    if key_states.shape[1] != seq:
+        raise NotImplementedError(f"queries ({seq}) and keys ({key_states.shape[1]}) of different lengths (a KV "
+                                  "cache): run generation with attn_implementation='sdpa'")
+    causal = is_causal and not (use_top_left_mask and query_length == 1)
+    _calls.refuse_unsupported(dropout, None, False, query_states.device)
+    lengths, valid = _local_documents(batch, seq, attention_mask, position_ids, cu_seq_lens_q)
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+
+    def settings():
+        return "ring", batch * seq, _calls.document_mask(lengths, causal, window), None
+
+    cp = _calls.context_parallel("use_ring_attn(False)", _self_group(), settings)
+    flat = [t.reshape(1, batch * seq, *t.shape[2:]) for t in (query_states, key_states, value_states)]
+    out = cp.attention(*flat, softmax_scale=softmax_scale, softcap=softcap, sinks=s_aux)
+    if valid:
+        out = out * torch.tensor(valid, device=out.device).to(out.dtype)[None, :, None, None]
+    return out.reshape(batch, seq, *out.shape[2:])
 
 
 def _ring_forward(process_group, heads_k_stride: int, query_states, key_states, value_states, query_length: int,
@@ -177,9 +260,17 @@ def substitute_hf_flash_attn(process_group: dist.ProcessGroup, heads_k_stride: i
                          f"{len(inspect.signature(old).parameters)} parameters, which no signature of this adapter "
                          "matches (transformers 4.4x to 5.23 are supported)")
 
+    local = old if importlib.util.find_spec("flash_attn") is not None else None
+
     @functools.wraps(new)  # its signature is new's, so code that checks it (check_params) sees transformers'
     def switched(*args, **kwargs):
-        return (new if RING_ATTN_SWITCH else old)(*args, **kwargs)
+        if RING_ATTN_SWITCH:
+            return new(*args, **kwargs)
+        if local is not None:
+            return local(*args, **kwargs)
+        bound = inspect.signature(new).bind(*args, **kwargs).arguments
+        extra = bound.pop("kwargs", {})
+        return _local_forward(**bound, **extra)
 
     fa_utils._flash_attention_forward = switched
     ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = flash_attention_forward
