@@ -103,7 +103,7 @@ def _result(idx, out, lse, third, dq, dk, dv, traffic: bool) -> dict:
 
 def batch_cases(cases: list[dict]) -> list[dict]:
     """``cases``: dicts of name (ring, zigzag, stripe), form (plain, kv, qkv), causal, seed, b, seq, h, h_kv,
-    d. The ``[b, s_local, h, d]`` functions, forward and backward."""
+    d, optionally window_size. The ``[b, s_local, h, d]`` functions, forward and backward."""
     from cpattn import functional
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -115,10 +115,11 @@ def batch_cases(cases: list[dict]) -> list[dict]:
         q, k, v, dout = inputs(c["seed"], (c["b"], c["seq"], c["h"], c["d"]), (c["b"], c["seq"], c["h_kv"], c["d"]))
         idx = batch_index(c["name"], c["seq"], world, rank)
         local = [t[:, idx].contiguous() for t in (q, k, v, dout)]
-        results = _call_packed(func, c["form"], *local, causal=c["causal"])
+        window = tuple(c.get("window_size", (-1, -1)))
+        results = _call_packed(func, c["form"], *local, causal=c["causal"], window_size=window)
         cp = _last_object(functional._CACHE)
         traffic = _traffic_matches(cp, local[0], local[1], partial(_call_packed, func, c["form"], *local,
-                                                                   causal=c["causal"]))
+                                                                   causal=c["causal"], window_size=window))
         found.append(_result(idx, *results, traffic))
     return found
 
@@ -157,10 +158,12 @@ def varlen_cases(cases: list[dict]) -> list[dict]:
             prefix = "ring_flash_attn" if c["name"] == "ring" else "zigzag_ring_flash_attn"
             func = getattr(ring_flash_attn, f"{prefix}_varlen_{suffix}")
         local = [t[idx].contiguous() for t in (q, k, v, dout)]
-        results = _call_packed(func, c["form"], *local, *args, causal=c["causal"])
+        window = tuple(c.get("window_size", (-1, -1)))
+        results = _call_packed(func, c["form"], *local, *args, causal=c["causal"], window_size=window)
         cp = _last_object(_calls._OBJECTS)
         traffic = _traffic_matches(cp, local[0][None], local[1][None],
-                                   partial(_call_packed, func, c["form"], *local, *args, causal=c["causal"]))
+                                   partial(_call_packed, func, c["form"], *local, *args, causal=c["causal"],
+                                           window_size=window))
         found.append(_result(idx, *results, traffic))
     return found
 

@@ -251,12 +251,20 @@ def _reference(q, k, v, dout, allowed: torch.Tensor, scale: float, dtype: torch.
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _allowed(seq: int, lengths: list[int] | None, causal: bool) -> torch.Tensor:
+def _allowed(seq: int, lengths: list[int] | None, causal: bool, window_size=(-1, -1)) -> torch.Tensor:
+    """flash-attn's rule: query i attends key j of its document when i - left <= j <= i + right (-1:
+    unbounded; causal: right = 0)."""
     doc = torch.zeros(seq, dtype=torch.long) if lengths is None else \
         torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.arange(seq)
+    left, right = window_size
+    right = 0 if causal else right
     allowed = doc[:, None] == doc[None, :]
-    return allowed & (pos[None, :] <= pos[:, None]) if causal else allowed
+    if left >= 0:
+        allowed &= pos[None, :] >= pos[:, None] - left
+    if right >= 0:
+        allowed &= pos[None, :] <= pos[:, None] + right
+    return allowed
 
 
 def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -265,12 +273,13 @@ def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm())
 
 
-def _check_exact(results: list[dict], full: tuple, lengths, causal: bool, packed: bool, case) -> None:
+def _check_exact(results: list[dict], full: tuple, lengths, causal: bool, packed: bool, case,
+                 window_size=(-1, -1)) -> None:
     """Assemble every rank's rows in global order, compare with float64 within 2 e_local + 1e-6 (e_local: the
     same plain softmax in float32 on one device)."""
     q, k, v, dout = (t[None] if packed else t for t in full)
     scale = q.shape[-1] ** -0.5
-    allowed = _allowed(q.shape[1], lengths, causal)
+    allowed = _allowed(q.shape[1], lengths, causal, window_size)
     ref = _reference(q, k, v, dout, allowed, scale, torch.float64)
     single = _reference(q, k, v, dout, allowed, scale, torch.float32)
     seq_dim = 0 if packed else 1
@@ -300,6 +309,8 @@ def _batch_cases(world: int) -> list[dict]:
                           "h": 2, "h_kv": h_kv, "d": 8})
         cases.append({"name": name, "form": "plain", "causal": False, "seed": len(cases), "b": 1, "seq": seq,
                       "h": 4, "h_kv": 2, "d": 8})
+        cases.append({"name": name, "form": "plain", "causal": True, "seed": len(cases), "b": 1, "seq": seq,
+                      "h": 2, "h_kv": 1, "d": 8, "window_size": (5, 0)})  # extended: exact across ranks
     return cases
 
 
@@ -319,6 +330,11 @@ def _varlen_cases(world: int) -> list[dict]:
                       "lengths": free if name == "llama3" else docs, "h": 4, "h_kv": 2, "d": 8})
     cases.append({"name": "llama3", "form": "plain", "causal": True, "seed": 200, "lengths": free, "h": 4,
                   "h_kv": 2, "d": 8, "heads_k_stride": 2})
+    for name in ("ring", "zigzag", "llama3"):  # windows, extended: exact across ranks
+        cases.append({"name": name, "form": "plain", "causal": True, "seed": 300 + len(cases),
+                      "lengths": free if name == "llama3" else docs, "h": 2, "h_kv": 1, "d": 8, "window_size": (6, 0)})
+    cases.append({"name": "ring", "form": "plain", "causal": False, "seed": 400, "lengths": docs, "h": 2, "h_kv": 1,
+                  "d": 8, "window_size": (3, 3)})
     return cases
 
 
@@ -339,7 +355,8 @@ def _run_exactness(worlds, world: int) -> None:
                 full = w.inputs(case["seed"], (case["b"], case["seq"], case["h"], case["d"]),
                                 (case["b"], case["seq"], case["h_kv"], case["d"]))
                 lengths = None
-            _check_exact([r[i] for r in report], full, lengths, case["causal"], packed, case)
+            _check_exact([r[i] for r in report], full, lengths, case["causal"], packed, case,
+                         case.get("window_size", (-1, -1)))
 
 
 def test_every_function_is_exact_at_p2(worlds):
@@ -353,12 +370,14 @@ def test_every_function_is_exact_at_p3_p4(worlds, world):
 
 
 def test_the_reference_sees_the_documents():
-    """The check can fail: the documents change the reference against one causal sequence."""
+    """The check can fail: documents and windows change the reference against one causal sequence."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, 24, 2, 8, generator=gen) for _ in range(4))
     docs = _reference(q, k, v, dout, _allowed(24, [10, 14], True), 0.3, torch.float64)
     whole = _reference(q, k, v, dout, _allowed(24, None, True), 0.3, torch.float64)
     assert (docs["out"] - whole["out"]).abs().max() > 1e-2
+    window = _reference(q, k, v, dout, _allowed(24, None, True, (5, 0)), 0.3, torch.float64)
+    assert (window["out"] - whole["out"]).abs().max() > 1e-2
 
 
 # ------------------------------------------------------------------ errors
