@@ -1,5 +1,5 @@
-"""The command line: every command the README shows parses and runs (at small sizes), and the shared
-argument handling (topologies that imply device counts, masks, usage errors versus bugs)."""
+"""The command line: every command the README and docs/commands.md show parses and runs (at small sizes),
+and the shared argument handling (topologies that imply device counts, masks, usage errors versus bugs)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,16 @@ from cpattn import cli
 from cpattn.cli import args as cli_args
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+#: the guide to every command: its commands run here too
+COMMANDS_DOC = README.parent / "docs" / "commands.md"
 
 
 # ------------------------------------------------------------------------------ the README's commands
-def readme_commands() -> list[list[str]]:
-    """Every command line README.md shows: code spans starting with ``cpattn`` (in prose or in a code
-    block's comments) and code-block lines starting with ``cpattn``; optional parts in ``[...]`` are
-    taken in full. Each as its argv, in order, without repeats."""
-    text = README.read_text()
+def readme_commands(*paths: Path) -> list[list[str]]:
+    """Every command line the files show (default: README.md): code spans starting with ``cpattn`` (in
+    prose or in a code block's comments) and code-block lines starting with ``cpattn``; optional parts in
+    ``[...]`` are taken in full. Each as its argv, in order, without repeats."""
+    text = "\n".join(path.read_text() for path in paths or (README,))
     fenced = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```[^\n]*$", flags=re.S | re.M)  # indented in lists too
     lines = []
     for block in fenced.findall(text):
@@ -42,7 +44,7 @@ def readme_commands() -> list[list[str]]:
     return out
 
 
-COMMANDS = readme_commands()
+COMMANDS = readme_commands(README, COMMANDS_DOC)
 
 
 def _flags(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -91,6 +93,7 @@ SHRINK = {
     "reproduce ultraattn": ({"--seq": lambda v: "2048", "--gpus": lambda v: "8", "--heads": lambda v: "1"},
                             {"--seq": "2048", "--gpus": "8", "--heads": "1", "--time-budget": "0.5"}),
     "train": ({"--steps": lambda v: "3", "--seq": lambda v: "64", "--nproc": lambda v: "2", "--dp": lambda v: "1",
+               "--batch": lambda v: "4",
                "--cp": lambda v: "2", "--eval-every": lambda v: "3", "--config": lambda v: "tiny"},
               {"--steps": "3", "--nproc": "2"}),
 }
@@ -150,10 +153,12 @@ def in_tmp(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_the_readme_shows_every_command():
-    shown = {argv[1] for argv in COMMANDS if len(argv) > 1}
-    assert shown == {c.__name__.rsplit(".", 1)[-1] for c in cli.COMMANDS}
-    assert all(argv[0] == "cpattn" for argv in COMMANDS)
+def test_the_readme_and_the_command_guide_show_every_command():
+    every = {c.__name__.rsplit(".", 1)[-1] for c in cli.COMMANDS}
+    for path in (README, COMMANDS_DOC):
+        shown = readme_commands(path)
+        assert {argv[1] for argv in shown if len(argv) > 1} == every, path.name
+        assert all(argv[0] == "cpattn" for argv in shown)
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(a) for a in COMMANDS])

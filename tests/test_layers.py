@@ -1,8 +1,8 @@
-"""One-way layering (docs/architecture.md): core (``cpattn/core``) -> planner (``cpattn/planner``: a
-library the ``ultra`` schedule calls) -> schedules -> model (``cost``) -> tools (the rest) -> lab
-(``cpattn/lab``: only the commands that run it import it), and no
-module imports itself back through others (no import cycle). The package's imports are read from its
-source, so an import inside a function counts too."""
+"""One-way layering: the four layers of docs/architecture.md, core (``cpattn/core``) -> schedules -> model
+(``cost``) -> tools (the rest), ranked finer here: the planner (``cpattn/planner``, a library the ``ultra``
+schedule calls) beneath the schedules, and the lab (``cpattn/lab``: only the commands that run it import
+it) above the other tools; and no module imports itself back through others (no import cycle). The
+package's imports are read from its source, so an import inside a function counts too."""
 
 from __future__ import annotations
 

@@ -39,8 +39,8 @@ On a gloo group, calls on CUDA tensors (and on CPU tensors when forced: ``stage=
 ``CPATTN_STAGE=1``) run through reused host buffers (:mod:`cpattn.core.staging`), which lets P ranks
 share one GPU; the accounting is the same either way.
 
-Why one module over 500 lines: it is the one communicator (style.md), and its accounting,
-staging and two-level collectives must see every call.
+Why one module over 500 lines: it is the one communicator (every collective and point-to-point call goes
+through it, docs/architecture.md), and its accounting, staging and two-level collectives must see every call.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ The CUDA op wrappers live in :mod:`cpattn.core.cuda_ops`. A path whose op has no
 gets its key/value heads expanded (:func:`expand_kv`) and its dk/dv summed back over each group
 (:func:`reduce_kv_grad`), in float32.
 
-Why one module over 500 lines: it is the one kernel contract (style.md): the dispatch table,
-the paths and the checks every path shares.
+Why one module over 500 lines: it is the one kernel contract (docs/architecture.md, "Kernels"): the dispatch
+table, the paths and the checks every path shares.
 """
 
 from __future__ import annotations
