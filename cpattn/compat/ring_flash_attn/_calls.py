@@ -156,7 +156,7 @@ def varlen_object(q: torch.Tensor, cu_seqlens, group, zigzag: bool, is_causal: b
                   window_size) -> ContextParallel:
     """The ContextParallel of a ring or zigzag varlen call with local ``cu_seqlens``; found by the tensor's
     identity and version after its first call."""
-    rank, ranks = members(group)
+    _rank, ranks = members(group)
     world = len(ranks)
     fast = isinstance(cu_seqlens, torch.Tensor)
     key = ("varlen", id(cu_seqlens), cu_seqlens._version if fast else None, zigzag, ranks, bool(is_causal),
