@@ -369,6 +369,25 @@ def test_every_function_is_exact_at_p3_p4(worlds, world):
     _run_exactness(worlds, world)
 
 
+def test_one_process_under_inference_mode():
+    """Without torch.distributed (one rank), under torch.inference_mode (tensors with no version counter)."""
+    cpattn.compat.install("ring_flash_attn")
+    import ring_flash_attn
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(20, 2, 8, generator=gen) for _ in range(3))
+    allowed = _allowed(20, [6, 14], True)
+    ref = _reference(q[None], k[None], v[None], torch.zeros(1, 20, 2, 8), allowed, 8 ** -0.5, torch.float64)["out"][0]
+    with torch.inference_mode():
+        cu = torch.tensor([0, 6, 20], dtype=torch.int32)
+        for _ in range(2):  # the second call finds its object by the tensor's identity
+            out = ring_flash_attn.zigzag_ring_flash_attn_varlen_func(q, k, v, cu, 14, causal=True)
+            assert (out.double() - ref).abs().max() < 1e-5
+        prepared = ring_flash_attn.llama3_flash_attn_prepare_cu_seqlens(cu, True, 0, 1)
+        out = ring_flash_attn.llama3_flash_attn_varlen_func(q, k, v, *prepared[:4], 1, prepared[4], causal=True)
+        assert (out.double() - ref).abs().max() < 1e-5
+
+
 def test_the_reference_sees_the_documents():
     """The check can fail: documents and windows change the reference against one causal sequence."""
     gen = torch.Generator().manual_seed(0)

@@ -67,6 +67,14 @@ def members(group) -> tuple[int, tuple[int, ...]]:
                            lambda: (dist.get_rank(group), tuple(dist.get_process_group_ranks(group))))
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by in-place changes); None for an inference tensor, which has none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def read_bounds(cu_seqlens, name: str) -> tuple[int, ...]:
     """The host values of a ``cu_seqlens`` (a 1-D integer tensor or a sequence of ints), checked: it
     starts at 0 and never decreases (a repeated boundary is an empty document)."""
@@ -158,8 +166,9 @@ def varlen_object(q: torch.Tensor, cu_seqlens, group, zigzag: bool, is_causal: b
     identity and version after its first call."""
     _rank, ranks = members(group)
     world = len(ranks)
-    fast = isinstance(cu_seqlens, torch.Tensor)
-    key = ("varlen", id(cu_seqlens), cu_seqlens._version if fast else None, zigzag, ranks, bool(is_causal),
+    version = _version(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else None
+    fast = version is not None  # found again by identity only while in-place changes would show
+    key = ("varlen", id(cu_seqlens), version, zigzag, ranks, bool(is_causal),
            tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size, q.shape[0])
 
     def settings():
@@ -219,7 +228,7 @@ class Prepared:
     max_seqlen_q: int
     max_seqlen_k: int
     local_k_slice: slice
-    version: int  # cu_seqlens_q's, when prepared
+    version: int | None  # cu_seqlens_q's, when prepared (None: an inference tensor)
 
 
 def prepare(cu_seqlens, is_causal: bool, rank: int, world_size: int):
@@ -253,7 +262,7 @@ def prepare(cu_seqlens, is_causal: bool, rank: int, world_size: int):
     cu_q = torch.tensor(q_bounds, dtype=like.dtype, device=like.device)
     cu_k = torch.tensor(k_bounds, dtype=like.dtype, device=like.device)
     record = Prepared(bounds, bool(is_causal), rank, world_size, cu_q, cu_k, q_bounds, k_bounds, max_q, max_k,
-                      slice(k_left, k_right), cu_q._version)
+                      slice(k_left, k_right), _version(cu_q))
     _PREPARED[id(cu_q)] = record
     while len(_PREPARED) > OBJECTS_KEPT:
         _PREPARED.popitem(last=False)
@@ -264,7 +273,7 @@ def _find_prepared(cu_seqlens_q, cu_seqlens_k, rank: int, world: int) -> Prepare
     """The record of the prepared values a call passes: by the identity of ``cu_seqlens_q``, else by the
     values of both (read from the device); ValueError when no prepared values of this process match."""
     record = _PREPARED.get(id(cu_seqlens_q))
-    if record is not None and record.cu_seqlens_q is cu_seqlens_q and record.version == cu_seqlens_q._version:
+    if record is not None and record.cu_seqlens_q is cu_seqlens_q and record.version == _version(cu_seqlens_q):
         return record
     q_bounds = read_bounds(cu_seqlens_q, "cu_seqlens_q")
     k_bounds = read_bounds(cu_seqlens_k, "cu_seqlens_k")
