@@ -45,7 +45,7 @@ test-titan: $(TITAN_STAMP)
 	$(BIN)/python -m pytest -q -m titan
 
 lint: $(STAMP)
-	$(BIN)/ruff check cpattn tests
+	$(BIN)/ruff check cpattn tests examples
 
 clean:
 	rm -rf $(VENV) build *.egg-info
