@@ -47,12 +47,21 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+
+# Before any process group exists: this module's functions take ``group=group.WORLD`` as a default
+# argument, evaluated once, at import. torch imports it lazily (``torch._dynamo``, which the first call of
+# a custom op such as ``cpattn::attention`` imports), and imported after ``init_process_group`` its ten
+# defaults would hold the default group for the life of the process: ``destroy_process_group()`` (and
+# cpattn.distributed's exit hook) could not end it, and its gloo worker threads ran on into interpreter
+# teardown, where one releasing a finished call's tensors aborted the process.
+import torch.distributed.nn.functional  # noqa: E402, F401  (imported for the side effect above)
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
 from . import trace
 from .launch import no_group_error
@@ -100,7 +109,19 @@ class _Then:
 
 
 #: (global ranks of the parent, nodes, devices per node) -> (rail group, node group) of this process
-_HIERARCHY: dict[tuple[tuple[int, ...], int, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_HIERARCHY: dict[tuple[tuple[int, ...], int, int], tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _held(ref: weakref.ref | None) -> dist.ProcessGroup | None:
+    """The process group behind a communicator's weak reference (None for none); a group destroyed since
+    (``destroy_process_group``) is a RuntimeError rather than a call into a dead backend."""
+    if ref is None:
+        return None
+    group = ref()
+    if group is None:
+        raise RuntimeError("the process group of this ContextParallel was destroyed (destroy_process_group, or "
+                           "cpattn.distributed.shutdown at exit): build a new ContextParallel on a live group")
+    return group
 
 
 #: names of the two levels of a hierarchical collective, rail first (``Communicator.level_stats``)
@@ -150,7 +171,7 @@ class Communicator:
         self.record = record
         self.stage = stage
         #: (rail, node) process groups of a 2-D mesh, or of a topology (see :meth:`setup_levels`)
-        self._levels: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
+        self._level_refs: tuple[weakref.ref, weakref.ref] | None = None
         self._levels_shape: tuple[int, int] | None = None
         self._subs: tuple[Communicator, Communicator] | None = None
         if isinstance(group, DeviceMesh):
@@ -180,6 +201,30 @@ class Communicator:
         self._topology: Topology | None = None
         self._chooser: Callable[[str, int], str] | None = None
         self._algorithms: dict[tuple[str, int], str] = {}  # (op, bytes) -> the algorithm wire_sent counts
+
+    # Process groups are held weakly: torch.distributed's registry owns them, so destroy_process_group()
+    # (cpattn.distributed's exit hook included) ends them and joins gloo's worker threads while the
+    # interpreter is whole. Held strongly by a ContextParallel that a script keeps in a global, a destroyed
+    # group lived on into interpreter teardown, where a gloo worker thread releasing a finished call's
+    # tensors found the interpreter finalizing and the process aborted ("terminate called without an
+    # active exception") after a run that had succeeded.
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None without torch.distributed); RuntimeError once it was destroyed."""
+        return _held(self._group_ref)
+
+    @group.setter
+    def group(self, group: dist.ProcessGroup | None) -> None:
+        self._group_ref = None if group is None else weakref.ref(group)
+
+    @property
+    def _levels(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:
+        """(rail, node) process groups of a 2-D mesh, or of a topology (see :meth:`setup_levels`)."""
+        return None if self._level_refs is None else tuple(_held(r) for r in self._level_refs)
+
+    @_levels.setter
+    def _levels(self, groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None) -> None:
+        self._level_refs = None if groups is None else tuple(weakref.ref(g) for g in groups)
 
     def _from_mesh(self, mesh: DeviceMesh) -> dist.ProcessGroup:
         """The flat group of a 1-D or 2-D device mesh; a 2-D mesh (inter-node dim first, intra-node dim
@@ -411,7 +456,7 @@ class Communicator:
             raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
                              f"but the group has {self.world_size}")
         shape = (topology.nodes, topology.devices_per_node)
-        if self._levels is not None:
+        if self._level_refs is not None:
             if self._levels_shape != shape:
                 raise ValueError(f"the levels set up are {self._levels_shape[0]} x {self._levels_shape[1]} "
                                  f"(inter-node x intra-node) but the topology is {shape[0]} x {shape[1]}")
@@ -425,13 +470,15 @@ class Communicator:
                 "init_device_mesh(device, (dp, nodes, per_node), mesh_dim_names=('dp', 'cp_inter', "
                 "'cp_intra'))['cp_inter', 'cp_intra'], or pass topology=None for flat collectives")
         key = (tuple(self._global_ranks), *shape)
-        if key not in _HIERARCHY:
+        if key not in _HIERARCHY or any(r() is None for r in _HIERARCHY[key]):  # none yet, or destroyed since
             n_nodes, d = shape
             members = [[self._global_ranks[n * d + lo] for n in range(n_nodes)] for lo in range(d)]
             members += [[self._global_ranks[n * d + lo] for lo in range(d)] for n in range(n_nodes)]
             groups = [dist.new_group(ranks) for ranks in members]  # every process creates every group
-            _HIERARCHY[key] = (groups[topology.local_index(self.rank)], groups[d + topology.node_of(self.rank)])
-        self._levels, self._levels_shape = _HIERARCHY[key], shape
+            # every group stays registered in torch.distributed (which owns it) after this function
+            _HIERARCHY[key] = (weakref.ref(groups[topology.local_index(self.rank)]),
+                               weakref.ref(groups[d + topology.node_of(self.rank)]))
+        self._level_refs, self._levels_shape = _HIERARCHY[key], shape
         return True
 
     def hierarchy(self, topology: Topology | None) -> tuple[Communicator, Communicator] | None:
