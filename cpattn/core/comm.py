@@ -46,22 +46,17 @@ through it, docs/architecture.md), and its accounting, staging and two-level col
 from __future__ import annotations
 
 import copy
+import importlib
+import logging
 import os
+import sys
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-
-# Before any process group exists: this module's functions take ``group=group.WORLD`` as a default
-# argument, evaluated once, at import. torch imports it lazily (``torch._dynamo``, which the first call of
-# a custom op such as ``cpattn::attention`` imports), and imported after ``init_process_group`` its ten
-# defaults would hold the default group for the life of the process: ``destroy_process_group()`` (and
-# cpattn.distributed's exit hook) could not end it, and its gloo worker threads ran on into interpreter
-# teardown, where one releasing a finished call's tensors aborted the process.
-import torch.distributed.nn.functional  # noqa: E402, F401  (imported for the side effect above)
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import trace
 from .launch import no_group_error
@@ -69,6 +64,22 @@ from .staging import Stager, StagingPool, device_backends
 from .steps import TREE_OPS, payload
 from .steps import wire as wire_bytes
 from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+# Before any process group exists: torch.distributed.nn.functional's functions take ``group=group.WORLD`` as
+# a default argument, evaluated once, at import. torch imports it lazily (``torch._dynamo``, which the first
+# call of a custom op such as ``cpattn::attention`` imports), and imported after ``init_process_group`` its
+# ten defaults would hold the default group for the life of the process: ``destroy_process_group()`` (and
+# cpattn.distributed's exit hook) could not end it, and its gloo worker threads ran on into interpreter
+# teardown, where one releasing a finished call's tensors aborted the process.
+_BOUND_LATE = "torch.distributed.nn.functional" not in sys.modules and dist.is_available() and dist.is_initialized()
+importlib.import_module("torch.distributed.nn.functional")
+if _BOUND_LATE:  # too late for the import above: say so once
+    log.warning("cpattn was imported after the default process group was created: torch's "
+                "torch.distributed.nn.functional then holds that group until the process ends, and a gloo group may "
+                "abort the interpreter's teardown; import cpattn before init_process_group (cpattn.distributed.init "
+                "does)")
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch >= 2.7 names the flat collectives *_single; older releases only have *_tensor
