@@ -1,4 +1,4 @@
-"""A user script that fails without destroying its process group; tests/test_first_hour.py runs it on two
+"""A user script that fails without destroying its process group; tests/test_clean_exit.py runs it on two
 processes with the torchrun environment set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``), gloo on the CPU.
 

@@ -49,6 +49,20 @@ def test_the_exit_hook_ends_the_group_while_the_script_holds_its_results(tmp_pat
         assert not any(word in err for word in ABORTED), err[-3000:]
 
 
+def test_a_failing_script_exits_with_its_own_error_and_status(tmp_path):
+    """tests/exit_script.py: rank 0 raises, rank 1 calls sys.exit(3), neither destroys the group. Each exits
+    with its own status and error, the group is gone by the time the script's last exit hook runs, and
+    nothing aborts."""
+    (status0, err0), (status1, err1) = _two_ranks(ROOT / "tests" / "exit_script.py", cwd=tmp_path)
+    assert status0 == 1, err0
+    assert status1 == 3, err1
+    assert "RuntimeError: the user's own error on rank 0" in err0
+    for rank, err in enumerate((err0, err1)):
+        assert f"rank {rank}: attention done" in err
+        assert f"rank {rank}: group alive at exit: False" in err, err
+        assert not any(word in err for word in ABORTED), err
+
+
 def _torchrun(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
             "--master-port", str(free_port()), str(script), *args]
