@@ -32,7 +32,7 @@ SIGNATURES = {
         "module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, "
         "softcap=None, **kwargs",
     "adapters.hf_adapter.substitute_hf_flash_attn":
-        "process_group, heads_k_stride",
+        "process_group, heads_k_stride, schedule=None",  # schedule: cpattn's extension
     "llama3_flash_attn_varlen.llama3_flash_attn_prepare_cu_seqlens":
         "cu_seqlens, causal, rank, world_size",
     "llama3_flash_attn_varlen.llama3_flash_attn_varlen_qkvpacked_func":
@@ -77,7 +77,7 @@ SIGNATURES = {
     "zigzag_ring_flash_attn_varlen.zigzag_ring_flash_attn_varlen_func":
         "q, k, v, cu_seqlens, max_seqlen, " + _FLASH_ARGS,
     "adapters.hf_adapter.create_ring_flash_attention_forward":
-        "process_group, heads_k_stride",
+        "process_group, heads_k_stride, schedule=None",  # schedule: cpattn's extension
 }
 
 

@@ -16,9 +16,14 @@ import pkgutil
 import sys
 from types import ModuleType
 
+from .ring_flash_attn._calls import SCHEDULE_ENV, comm_stats, reset_comm_stats
+
+__all__ = ["MODULES", "SCHEDULE_ENV", "comm_stats", "install", "reset_comm_stats"]
+
 #: library name -> the cpattn module that stands in for it
 MODULES = {
     "ring_flash_attn": "cpattn.compat.ring_flash_attn",
+    "yunchang": "cpattn.compat.yunchang",
 }
 
 

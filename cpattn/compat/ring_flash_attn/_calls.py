@@ -19,6 +19,8 @@ version), so a model's layers reuse one object per step without reading the devi
 from __future__ import annotations
 
 import operator
+import os
+import weakref
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,13 +28,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ... import agree
+from ... import agree, cost, schedules
 from ...api import ContextParallel
 from ...core import layout as layout_mod
 from ...core.comm import Communicator
 from ...core.masks import Mask, causal, document, full
 from ...core.memo import BoundedCache
 from ...functional import _window_mask
+from ...schedules.base import Schedule
 
 #: ContextParallel objects kept (a step's few; one per distinct documents, schedule and group)
 OBJECTS_KEPT = 32
@@ -114,16 +117,125 @@ def document_mask(lengths: list[int], is_causal: bool, window_size) -> Mask:
     return docs if window in (causal(), full()) else docs & window
 
 
-def context_parallel(what: str, group, settings) -> ContextParallel:
+# ------------------------------------------------------------------ the schedule behind a borrowed call
+#: names the schedule (or "auto") behind the borrowed calls whose code passes none
+SCHEDULE_ENV = "CPATTN_SCHEDULE"
+
+
+def requested_schedule(schedule: str | Schedule | None = None) -> str | Schedule | None:
+    """The schedule a borrowed call asks for: ``schedule`` when given, else ``$CPATTN_SCHEDULE``, else None
+    (the call's own schedule)."""
+    if schedule is not None:
+        return schedule
+    return os.environ.get(SCHEDULE_ENV) or None
+
+
+def _runs_on(sched: Schedule, layout: layout_mod.Layout, mask: Mask) -> str | layout_mod.Layout | None | bool:
+    """The ``layout`` argument that makes ``sched`` run on the caller's ``layout`` (None: the schedule's own
+    layout is the caller's), or False when it cannot without moving tokens."""
+    if sched.custom_layout and layout.name != "striped":
+        return layout
+    if layout.rank_ranges is None and layout.name == sched.layout_for(mask):
+        return None
+    return False
+
+
+def schedule_for_layout(requested: str | Schedule, layout: layout_mod.Layout, mask: Mask, seq_len: int, world: int,
+                        shape: tuple) -> tuple[str | Schedule, str | layout_mod.Layout | None]:
+    """``(schedule, layout argument)`` of a ContextParallel that runs ``requested`` (a name, a schedule object
+    or ``"auto"``) on the caller's ``layout``; ``shape`` = ``(batch, heads, kv_heads, head_dim, dtype)``.
+    ``"auto"``: the cost model's choice (``cpattn.cost.choose``) among :func:`candidates`. A schedule that
+    needs another layout raises ``ValueError``: a borrowed call's tokens are never laid out again."""
+    if isinstance(requested, str) and requested == "auto":
+        names = candidates(layout, mask)
+        name, _why = cost.choose(problem(layout, mask, seq_len, world, shape), topology(world), names)
+        return name, _runs_on(schedules.resolve(name), layout, mask)
+    sched = schedules.resolve(requested)
+    arg = _runs_on(sched, layout, mask)
+    if arg is False:
+        raise ValueError(f"schedule={sched.name!r} runs on its own {sched.layout_for(mask)!r} layout, but this call's "
+                         f"tokens are in the {layout.name!r} layout, and a borrowed call's tensors are never laid out "
+                         f"again; schedules that run on it: {', '.join(candidates(layout, mask, every=True))} (or "
+                         "'auto')")
+    return requested, arg
+
+
+def candidates(layout: layout_mod.Layout, mask: Mask, every: bool = False) -> list[str]:
+    """The schedules that run on ``layout`` as it is, in registry order: those the cost model can estimate
+    (``cpattn.cost.default_candidates`` of the mask), or ``every`` registered one."""
+    names = schedules.names() if every else cost.default_candidates(mask)
+    return [n for n in names if _runs_on(schedules.get(n), layout, mask) is not False
+            and (every or cost.estimable(n))]
+
+
+def problem(layout: layout_mod.Layout, mask: Mask, seq_len: int, world: int, shape: tuple) -> cost.Problem:
+    """The cost model's problem of a borrowed call: its length, mask, layout and shape ``(batch, heads,
+    kv_heads, head_dim, dtype)``."""
+    batch, heads, kv_heads, head_dim, dtype = shape
+    return cost.Problem(seq_len, world, mask, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        dtype=str(dtype).removeprefix("torch."), layout=layout)
+
+
+def topology(world: int) -> cost.Topology:
+    """Where ``"auto"`` estimates a borrowed call: this machine's preset (its calibration profile, else
+    conservative defaults), the same on every rank."""
+    return cost.presets.this_machine(world, "schedule='auto' behind a borrowed call")
+
+
+# ------------------------------------------------------------------ bytes the borrowed calls moved
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the ContextParallel objects made here that are still alive
+_FOLDED: dict[str, dict[str, int]] = {}  # the counts of those collected since
+
+
+def _add(into: dict[str, dict[str, int]], stats: dict[str, dict[str, int]]) -> None:
+    for op, counts in stats.items():
+        if op == "levels":
+            continue
+        acc = into.setdefault(op, {})
+        for k, v in counts.items():
+            acc[k] = acc.get(k, 0) + v
+
+
+def _made(cp: ContextParallel) -> ContextParallel:
+    """Count ``cp``'s traffic in :func:`comm_stats`, while it lives and after."""
+    _LIVE.add(cp)
+    weakref.finalize(cp, lambda comm=cp.comm: _add(_FOLDED, comm.stats()))
+    return cp
+
+
+def comm_stats() -> dict[str, dict[str, int]]:
+    """Bytes sent and received and calls per op kind on this rank over every borrowed call that ran through
+    a ContextParallel of the compat layer, since the process started or :func:`reset_comm_stats`."""
+    out: dict[str, dict[str, int]] = {}
+    _add(out, _FOLDED)
+    for cp in list(_LIVE):
+        _add(out, cp.comm.stats())
+    out.setdefault("total", {"calls": 0, "bytes_sent": 0, "bytes_recv": 0, "wire_sent": 0})
+    return out
+
+
+def reset_comm_stats() -> None:
+    _FOLDED.clear()
+    for cp in list(_LIVE):
+        cp.reset_comm_stats()
+
+
+def context_parallel(what: str, group, settings, schedule: str | Schedule | None = None,
+                     shape: tuple | None = None) -> ContextParallel:
     """The ContextParallel for ``settings()`` -> ``(schedule, seq_len, mask, layout)``, made once and kept by
     value. When it is new (a step's first call, on every rank alike) the ranks first agree (one small
     exchange): an error ``settings()`` raised on any rank is raised on every rank, the same, before any
-    attention traffic; then every rank makes it (collectively)."""
+    attention traffic; then every rank makes it (collectively). ``schedule``: the schedule a caller asked
+    for (see :func:`requested_schedule`) in place of the call's own, on the call's layout (see
+    :func:`schedule_for_layout`; ``shape`` as it takes it)."""
     _rank, ranks = members(group)
     error, key = None, None
     try:
-        schedule, seq_len, mask, layout = settings()
-        key = (schedule, ranks, seq_len, mask, layout)
+        schedule_, seq_len, mask, layout = settings()
+        if schedule is not None:
+            given = layout_mod.Layout(layout) if isinstance(layout, str) else layout
+            schedule_, layout = schedule_for_layout(schedule, given, mask, seq_len, len(ranks), shape)
+        key = (schedule_, ranks, seq_len, mask, layout)
     except (ValueError, TypeError, NotImplementedError) as exc:
         error = exc
     if key is not None and key in _OBJECTS:
@@ -135,8 +247,8 @@ def context_parallel(what: str, group, settings) -> ContextParallel:
         agree.agree(comm, what, {}, error, device)
     elif error is not None:
         raise error
-    return _OBJECTS.get(key, lambda: ContextParallel(seq_len, mask=mask, schedule=schedule, group=group,
-                                                     layout=layout))
+    return _OBJECTS.get(key, lambda: _made(ContextParallel(seq_len, mask=mask, schedule=schedule_, group=group,
+                                                           layout=layout)))
 
 
 # ------------------------------------------------------------------ ring and zigzag varlen
@@ -318,10 +430,12 @@ def _check_prepared(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_k
 
 
 def llama3_object(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  heads_k_stride, local_k_slice, is_causal: bool, window_size, group) -> ContextParallel:
+                  heads_k_stride, local_k_slice, is_causal: bool, window_size, group,
+                  schedule: str | Schedule | None = None) -> ContextParallel:
     """The ContextParallel of a llama3 varlen call (``q``, ``k`` as ``[b, s_local, h, d]``), after checking the
     prepared values against the record of :func:`prepare`; a step's first call agrees on them between the
-    ranks, so a bad value on any rank raises on every rank."""
+    ranks, so a bad value on any rank raises on every rank. ``schedule``: in place of ``allgather``, on the
+    contiguous slices (:func:`requested_schedule`)."""
     rank, ranks = members(group)
     world = len(ranks)
     checked = (q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,
@@ -341,8 +455,11 @@ def llama3_object(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_k, 
         mask = document_mask(_lengths(record.bounds), is_causal, window_size)
         return "allgather", record.bounds[-1], mask, "contiguous"
 
-    return _BY_TENSOR.get_for(record, ("llama3", id(record), ranks, window),
-                              lambda: context_parallel("llama3_flash_attn_varlen_func", group, settings))
+    requested = requested_schedule(schedule)
+    shape = None if requested is None else (q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype)
+    return _BY_TENSOR.get_for(record, ("llama3", id(record), ranks, window, requested, shape),
+                              lambda: context_parallel("llama3_flash_attn_varlen_func", group, settings, requested,
+                                                       shape))
 
 
 def llama3_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, heads_k_stride, local_k_slice,

@@ -139,11 +139,12 @@ def _local_forward(query_states, key_states, value_states, attention_mask, query
     return out.reshape(batch, seq, *out.shape[2:])
 
 
-def _ring_forward(process_group, heads_k_stride: int, query_states, key_states, value_states, query_length: int,
-                  is_causal: bool, dropout: float, softmax_scale, sliding_window, use_top_left_mask: bool, softcap,
-                  deterministic, sinks=None):
+def _ring_forward(process_group, heads_k_stride: int, schedule, query_states, key_states, value_states,
+                  query_length: int, is_causal: bool, dropout: float, softmax_scale, sliding_window,
+                  use_top_left_mask: bool, softcap, deterministic, sinks=None):
     """The context-parallel attention every signature below runs: ``[b, s_local, h, d]`` in and out, every
-    row of the batch holding the documents of :data:`DATA_PARAMS`."""
+    row of the batch holding the documents of :data:`DATA_PARAMS`; ``schedule`` (else ``$CPATTN_SCHEDULE``,
+    else ``allgather``) on the contiguous slices."""
     if not DATA_PARAMS:
         raise RuntimeError("ring attention has no documents for this step: call update_ring_flash_attn_params("
                            "cu_seqlens, process_group) before the model's forward")
@@ -156,15 +157,17 @@ def _ring_forward(process_group, heads_k_stride: int, query_states, key_states, 
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     cp = _calls.llama3_object(query_states, key_states, DATA_PARAMS["cu_seqlens_q"], DATA_PARAMS["cu_seqlens_k"],
                               DATA_PARAMS["max_seqlen_q"], DATA_PARAMS["max_seqlen_k"], heads_k_stride,
-                              DATA_PARAMS["local_k_slice"], causal, window, process_group)
+                              DATA_PARAMS["local_k_slice"], causal, window, process_group, schedule)
     return cp.attention(query_states, key_states, value_states, softmax_scale=softmax_scale, softcap=softcap,
                         sinks=sinks)
 
 
-def create_ring_flash_attention_forward(process_group: dist.ProcessGroup, heads_k_stride: int) -> list:
+def create_ring_flash_attention_forward(process_group: dist.ProcessGroup, heads_k_stride: int,
+                                        schedule: str | None = None) -> list:
     """Replacements for ``_flash_attention_forward``, one per transformers signature (before 4.47, 4.47,
-    4.48 to 4.52, 4.53 to 4.57, 5.x), each running cpattn on ``process_group``."""
-    run = functools.partial(_ring_forward, process_group, heads_k_stride)
+    4.48 to 4.52, 4.53 to 4.57, 5.x), each running cpattn on ``process_group``; ``schedule`` as
+    :func:`substitute_hf_flash_attn` takes it."""
+    run = functools.partial(_ring_forward, process_group, heads_k_stride, schedule)
 
     def _flash_attention_forward(query_states, key_states, value_states, attention_mask, query_length, is_causal,
                                  dropout=0.0, position_ids=None, softmax_scale=None, sliding_window=None,
@@ -242,19 +245,24 @@ def flash_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return out.to(original_dtype), None
 
 
-def substitute_hf_flash_attn(process_group: dist.ProcessGroup, heads_k_stride: int) -> None:
+def substitute_hf_flash_attn(process_group: dist.ProcessGroup, heads_k_stride: int,
+                             schedule: str | None = None) -> None:
     """Make transformers' flash-attention path context-parallel over ``process_group``: replaces
     ``transformers.modeling_flash_attention_utils._flash_attention_forward`` with the function of
     :func:`create_ring_flash_attention_forward` that matches its signature (the replaced one still runs
     when :func:`use_ring_attn` is off) and ``ALL_ATTENTION_FUNCTIONS["flash_attention_2"]`` with
-    :func:`flash_attention_forward`. ``heads_k_stride`` must divide the model's key/value heads."""
+    :func:`flash_attention_forward`. ``heads_k_stride`` must divide the model's key/value heads.
+
+    ``schedule`` (cpattn's extension; None: ``$CPATTN_SCHEDULE``, else ``allgather``): the schedule behind the
+    attention, a name, a schedule object or ``"auto"`` (the cost model's choice among the schedules that run
+    on each rank's contiguous slice); one that needs another layout raises ``ValueError`` at the first call."""
     import transformers
     import transformers.modeling_flash_attention_utils as fa_utils
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     old = fa_utils._flash_attention_forward
-    new = next((f for f in create_ring_flash_attention_forward(process_group, heads_k_stride) if check_params(old, f)),
-               None)
+    new = next((f for f in create_ring_flash_attention_forward(process_group, heads_k_stride, schedule)
+                if check_params(old, f)), None)
     if new is None:
         raise ValueError(f"transformers {transformers.__version__}: its _flash_attention_forward takes "
                          f"{len(inspect.signature(old).parameters)} parameters, which no signature of this adapter "

@@ -1,0 +1,163 @@
+"""The yunchang stand-in (``cpattn.compat.yunchang``): yunchang 0.6.4's names and signatures, its rank sets, and
+``LongContextAttention`` / ``UlyssesAttention`` exact against float64, forward and backward, for every
+``ring_impl_type`` and degree pair."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import cpattn.compat
+
+#: yunchang 0.6.4's public callables and their parameters (read from its source)
+SIGNATURES = {
+    "set_seq_parallel_pg": "sp_ulysses_degree, sp_ring_degree, rank, world_size, use_ulysses_low=True",
+    "LongContextAttention.__init__": "self, scatter_idx=2, gather_idx=1, ring_impl_type='basic', use_pack_qkv=False, "
+                                     "use_sync=False, attn_type=<AttnType.FA: 'fa'>, attn_processor=None, "
+                                     "schedule=None",
+    "LongContextAttention.forward": "self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False, "
+                                    "window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, "
+                                    "return_attn_probs=False, *args",
+    "UlyssesAttention.__init__": "self, sequence_process_group=None, scatter_idx=2, gather_idx=1, use_sync=False, "
+                                 "attn_type=<AttnType.FA: 'fa'>, schedule=None",
+    "UlyssesAttention.forward": "self, query, key, value, dropout_p=0.0, softmax_scale=None, causal=False, "
+                                "window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, "
+                                "return_attn_probs=False, *args",
+    "basic_extract_local": "value, rank, world_size, *args, **kwargs",
+    "zigzag_extract_local": "value, rank, world_size, rd, ud, dim=1, *args, **kwargs",
+    "stripe_extract_local": "value, rank, world_size, rd, ud, *args, **kwargs",
+}
+
+
+def _signature_text(func) -> str:
+    parts = []
+    for p in inspect.signature(func).parameters.values():
+        prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        parts.append(prefix + p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+    return ", ".join(parts)
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_public_names_have_yunchangs_signatures(name):
+    cpattn.compat.install("yunchang")
+    import yunchang
+
+    obj = yunchang
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    assert _signature_text(obj) == SIGNATURES[name]
+
+
+def test_install_resolves_yunchangs_modules():
+    cpattn.compat.install("yunchang")
+    import yunchang
+    from yunchang.globals import PROCESS_GROUP
+    from yunchang.kernels import AttnType
+
+    assert yunchang.__name__ == "cpattn.compat.yunchang"
+    assert AttnType.from_string("fa") is AttnType.FA and AttnType("torch_math").name == "TORCH_MATH"
+    with pytest.raises(ValueError):
+        AttnType.from_string("nope")
+    assert hasattr(PROCESS_GROUP, "ULYSSES_PG") and hasattr(PROCESS_GROUP, "RING_PG")
+    assert sorted(yunchang.EXTRACT_FUNC_DICT) == ["basic", "basic_flashinfer", "basic_npu", "basic_pytorch", "strip",
+                                                  "zigzag"]
+
+
+def test_unsupported_arguments_are_refused():
+    from cpattn.compat.yunchang import _layer
+
+    with pytest.raises(NotImplementedError, match="scatter_idx"):
+        _layer._check_indices(1, 2, (2, 1))
+    with pytest.raises(NotImplementedError, match="attn_processor"):
+        _layer._check_attn_type(_layer.AttnType.FA, torch.nn.Identity())
+
+
+# ------------------------------------------------------------------ exactness against float64
+def _reference(q, k, v, dout, allowed: torch.Tensor, softcap: float, dtype: torch.dtype) -> dict:
+    """A plain softmax attention with autograd (shares no code with cpattn): out, dq, dk, dv."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    kk, vv = (t.repeat_interleave(g, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kk) * q.shape[-1] ** -0.5
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1), vv)
+    out.backward(dout.to(dtype))
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _allowed(seq: int, causal: bool, window_size) -> torch.Tensor:
+    pos = torch.arange(seq)
+    left, right = window_size
+    right = 0 if causal else right
+    allowed = torch.ones(seq, seq, dtype=torch.bool)
+    if left >= 0:
+        allowed &= pos[None, :] >= pos[:, None] - left
+    if right >= 0:
+        allowed &= pos[None, :] <= pos[:, None] + right
+    return allowed
+
+
+def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(x).all()
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+def _cases(world: int) -> list[dict]:
+    pairs = [(1, 2), (2, 1)] if world == 2 else [(2, 2), (1, 4), (4, 1)]
+    seq = 16 * world
+    cases = []
+    for ud, rd in pairs:
+        for impl in ("basic", "zigzag", "strip"):
+            for low in ((True,) if world == 2 else (True, False)):
+                cases.append({"impl": impl, "ud": ud, "rd": rd, "low": low, "causal": True, "b": 2, "seq": seq,
+                              "h": 4, "h_kv": 2, "d": 8})
+            cases.append({"impl": impl, "ud": ud, "rd": rd, "low": True, "causal": False, "b": 1, "seq": seq,
+                          "h": 4, "h_kv": 4, "d": 8})
+    cases.append({"impl": "zigzag", "ud": pairs[0][0], "rd": pairs[0][1], "low": True, "causal": True, "b": 1,
+                  "seq": seq, "h": 4, "h_kv": 1, "d": 8, "window_size": (5, 0), "softcap": 3.0})
+    cases.append({"impl": "basic", "ud": world, "rd": 1, "low": True, "causal": True, "b": 1, "seq": seq, "h": 4,
+                  "h_kv": 2, "d": 8, "ulysses_layer": True})
+    for i, c in enumerate(cases):
+        c["seed"] = 1000 * world + i
+    return cases
+
+
+def _run_exactness(worlds, world: int) -> None:
+    import yunchang_workers as w
+
+    cases = _cases(world)
+    report = worlds.get(world).run("yunchang_workers.long_context_cases", timeout=600, cases=cases)
+    for rank, r in enumerate(report):
+        assert isinstance(r, list), f"rank {rank}: {r}"
+    for i, c in enumerate(cases):
+        results = [r[i] for r in report]
+        q, k, v, dout = w.inputs(c["seed"], (c["b"], c["seq"], c["h"], c["d"]), (c["b"], c["seq"], c["h_kv"], c["d"]))
+        allowed = _allowed(c["seq"], c["causal"], c.get("window_size", (-1, -1)))
+        ref = _reference(q, k, v, dout, allowed, c.get("softcap", 0.0), torch.float64)
+        single = _reference(q, k, v, dout, allowed, c.get("softcap", 0.0), torch.float32)
+        idx = torch.cat([r["idx"] for r in results])
+        assert sorted(idx.tolist()) == list(range(c["seq"])), c  # every token on one rank, none on two
+        for key in ("out", "dq", "dk", "dv"):
+            assembled = torch.empty_like(ref[key], dtype=torch.float32)
+            assembled.index_copy_(1, idx, torch.cat([r[key] for r in results], dim=1))
+            err, e_local = _relative(assembled, ref[key]), _relative(single[key], ref[key])
+            assert err <= 2 * e_local + 1e-6, f"{c}: {key} relative error {err:.2e} (single device {e_local:.2e})"
+        for rank, r in enumerate(results):
+            assert r["groups_ok"] and r["extract_ok"], (c, rank)
+            assert r["traffic"], (c, rank, "traffic differs from expected_volume")
+            assert r["local_len"] == c["seq"] // world < c["seq"], (c, rank)  # no rank holds the whole sequence
+            expected = "ulysses" if c.get("ulysses_layer") or c["rd"] == 1 else \
+                "stripe_ring" if c["impl"] == "strip" and c["ud"] == 1 and c["causal"] else "usp"
+            assert r["schedule"] == expected, (c, rank, r["schedule"])
+
+
+def test_long_context_attention_is_exact_at_p2(worlds):
+    _run_exactness(worlds, 2)
+
+
+@pytest.mark.slow
+def test_long_context_attention_is_exact_at_p4(worlds):
+    _run_exactness(worlds, 4)
