@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-titan lint clean
+.PHONY: demo test test-all test-titan test-trl lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,16 @@ $(TITAN_STAMP): $(STAMP)
 # torchtitan trained with cpattn (the titan extra: torchtitan 0.3.0 and triton; several minutes on 2 cores)
 test-titan: $(TITAN_STAMP)
 	$(BIN)/python -m pytest -q -m titan
+
+TRL_STAMP := $(VENV)/.trl-installed
+
+$(TRL_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[trl]"
+	touch $(TRL_STAMP)
+
+# TRL's SFTTrainer fine-tuned with cpattn (the trl extra: trl 1.16.0; about two minutes on 2 cores)
+test-trl: $(TRL_STAMP)
+	$(BIN)/python -m pytest -q -m trl
 
 lint: $(STAMP)
 	$(BIN)/ruff check cpattn tests examples

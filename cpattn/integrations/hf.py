@@ -64,12 +64,12 @@ def causal_lm_loss(logits_local: torch.Tensor, labels_full: torch.Tensor, cp: Co
 
 
 def __getattr__(name: str):
-    """``hf.Trainer`` (:mod:`cpattn.integrations.hf_trainer`) and ``hf.generate``
+    """``hf.Trainer`` and ``hf.context_parallel`` (:mod:`cpattn.integrations.hf_trainer`) and ``hf.generate``
     (:mod:`cpattn.integrations.hf_generate`), imported on first use."""
-    if name == "Trainer":
-        from .hf_trainer import Trainer
+    if name in ("Trainer", "context_parallel"):
+        from . import hf_trainer
 
-        return Trainer
+        return getattr(hf_trainer, name)
     if name == "generate":
         from .hf_generate import generate
 

@@ -16,8 +16,8 @@ import torch
 
 from ..api import ContextParallel
 from ..core.masks import AndMask, DocumentMask, Mask, SlidingWindowMask
-from ..core.masks import document as document_mask
 from ..core.masks import sliding_window as sliding_window_mask
+from ..packing import documents_view, read_bounds, show_bounds
 
 #: the ``attn_implementation`` name this module registers
 NAME = "cpattn"
@@ -237,8 +237,9 @@ def packed(cp: ContextParallel, batch: dict, pad_id: int = 0) -> tuple[ContextPa
     view of ``cp`` (``with_mask``: the document mask of those lengths, with ``cp``'s window if it has
     one) and the batch filled up to ``seq_len`` with one more document of ``pad_id`` tokens whose labels
     are ignored (it attends only itself, so it changes nothing else). Reads the positions on the host
-    once. ``cu_seq_lens_q/k`` and ``max_length_q/k`` (``return_flash_attn_kwargs=True``) are checked
-    against the positions and left out::
+    once (:func:`cpattn.packing.documents_view` makes the view). ``cu_seq_lens_q/k`` and ``max_length_q/k``
+    (``return_flash_attn_kwargs=True``, TRL's ``padding_free``) are checked against the positions and left
+    out::
 
         view, batch = hf.packed(cp, collator(examples))
         with hf.use(view):
@@ -259,19 +260,19 @@ def packed(cp: ContextParallel, batch: dict, pad_id: int = 0) -> tuple[ContextPa
     if not starts or starts[0] != 0 or any(p != values[i - 1] + 1 for i, p in enumerate(values) if i and p):
         raise ValueError("packed: position_ids must restart at 0 at each document and count up inside it, e.g. "
                          "[0, 1, 2, 0, 1]")
-    lengths = [b - a for a, b in zip(starts, [*starts[1:], n])]
-    cu = batch.get("cu_seq_lens_q")
-    if cu is not None and [int(x) for x in cu] != [0, *torch.tensor(lengths).cumsum(0).tolist()]:
-        raise ValueError("packed: cu_seq_lens_q does not match the documents of position_ids")
+    bounds = (*starts, n)
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if batch.get(key) is not None and read_bounds(batch[key], key) != bounds:
+            raise ValueError(f"packed: {key} does not match the documents of position_ids: "
+                             f"{show_bounds(read_bounds(batch[key], key))}, not {show_bounds(bounds)}")
+    view = documents_view(base, bounds, "position_ids")
     fill = base.seq_len - n
     out = {"input_ids": torch.cat([ids, ids.new_full((1, fill), pad_id)], 1),
            "position_ids": torch.cat([pos, torch.arange(fill, dtype=pos.dtype, device=pos.device)[None]], 1)}
     labels = batch.get("labels")
     if labels is not None:
         out["labels"] = torch.cat([labels, labels.new_full((1, fill), IGNORE_INDEX)], 1)
-    documents = document_mask(lengths + ([fill] if fill else []), causal=base.mask.is_causal)
-    plain = base.mask.name in ("causal", "full")
-    return base.with_mask(documents if plain else base.mask & documents), out
+    return view, out
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

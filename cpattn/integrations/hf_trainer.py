@@ -1,4 +1,6 @@
-"""The Hugging Face ``transformers.Trainer`` with context-parallel attention (``cpattn.integrations.hf.Trainer``).
+"""Hugging Face trainers with context-parallel attention: :func:`context_parallel` turns a trainer class
+(``transformers.Trainer``, TRL's ``SFTTrainer``, a user's subclass of either) into one whose model attends
+through cpattn; ``cpattn.integrations.hf.Trainer`` is ``context_parallel(transformers.Trainer)``.
 
 ::
 
@@ -9,6 +11,12 @@
     trainer.train()            # torchrun --nproc-per-node 4 train.py: 2 data-parallel groups of 2 ranks
     trainer.evaluate()
 
+    SFTTrainer = hf.context_parallel(trl.SFTTrainer)     # or TrainingArguments(parallelism_config=
+    trainer = SFTTrainer(model=model, args=SFTConfig(..., parallelism_config=ParallelismConfig(cp_size=2)), ...)
+
+The context-parallel degree is ``cp_size=`` or accelerate's ``ParallelismConfig(cp_size=...)`` (in the
+arguments or in accelerate's ``PARALLELISM_CONFIG_*`` environment variables), which is taken out of the
+configuration before the ``Accelerator`` is built, so accelerate's own (torch) context parallelism never runs.
 The ranks form groups of ``cp_size`` consecutive ranks; every rank of a group reads the same batch
 (the data loaders are sharded over the ``world / cp_size`` groups instead of over the ranks). Each step,
 :meth:`Trainer._prepare_context_parallel_inputs` (the hook ``transformers`` calls to shard a batch and
@@ -26,6 +34,8 @@ imports on the first use of ``hf.Trainer``.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,35 +52,46 @@ from ..schedules import Schedule
 from ..schedules import resolve as resolve_schedule
 from . import hf_common
 
+logger = logging.getLogger(__name__)
 #: ContextParallel objects kept, one per sequence length met (each costs one small exchange to build)
 CONTEXTS_KEPT = 8
 #: per-token tensors of a batch that are sharded along the sequence (dim 1)
 PER_TOKEN = ("input_ids", "inputs_embeds", "labels", "shift_labels", "token_type_ids")
+#: keys of a packed batch (transformers' ``return_flash_attn_kwargs``, TRL's ``padding_free``) that the step's
+#: document view replaces: checked against its positions, then left out of the model's inputs
+PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` whose model attends through cpattn over groups of ``cp_size`` ranks.
+class ContextParallelTrainer:
+    """What :func:`context_parallel` adds to a ``transformers.Trainer`` class: its model attends through
+    cpattn over groups of ``cp_size`` ranks.
 
     ``cp_size``: ranks per context-parallel group (consecutive ranks; the world size must be a multiple);
-    the ``world / cp_size`` groups are the data-parallel replicas. ``cp_schedule``: a schedule name,
+    the ``world / cp_size`` groups are the data-parallel replicas. Left out, it is the ``cp_size`` of
+    ``args.parallelism_config`` (or of accelerate's ``PARALLELISM_CONFIG_*`` environment variables), else 1;
+    given both, they must agree. That configuration loses its ``cp_size`` before the ``Accelerator`` is built
+    (:func:`take_context_parallel`). ``cp_schedule``: a schedule name,
     ``"auto"`` or a :class:`cpattn.schedules.Schedule`. ``cp_mask``: the attention mask of every
     sequence (``"causal"``, ``"full"`` or a :class:`cpattn.masks.Mask`); packed batches
     (``DataCollatorWithFlattening``: ``position_ids`` restarting at 0 in each document) run on the step's
-    document view of it (:func:`cpattn.integrations.hf.packed`). Every other argument is the Trainer's.
+    document view of it (:func:`cpattn.integrations.hf.packed`), and so do TRL's ``padding_free`` batches
+    (their ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx`` are checked and consumed); right-padded
+    rows (a 0/1 ``attention_mask``) are packed by the step: their real tokens in one row, each row a
+    document. Every other argument is the Trainer's.
 
     The model must be built with ``attn_implementation="cpattn"`` (after ``hf.register()``) and take
     the loss keyword arguments (``num_items_in_batch``, as transformers' models do). What would make a
     rank's loss other than its share of the batch's mean raises ``NotImplementedError`` at construction
-    (label smoothing, ``compute_loss_func``, ``ParallelismConfig(cp_size=...)``, which is torch's own
-    context parallelism, or its tensor and sequence parallelism), or when a data loader is built
-    (batches dispatched from the main process).
+    (label smoothing, ``compute_loss_func``, ``ParallelismConfig``'s tensor or sequence parallelism), or when
+    a data loader is built (batches dispatched from the main process).
     """
 
-    def __init__(self, *args, cp_size: int = 1, cp_schedule: str | Schedule = "zigzag_ring",
+    def __init__(self, *args, cp_size: int | None = None, cp_schedule: str | Schedule = "zigzag_ring",
                  cp_mask: masks_mod.Mask | str = "causal", **kwargs) -> None:
-        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        if cp_size is not None and (isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1):
             raise ValueError(f"cp_size must be a positive int (ranks per context-parallel group), got {cp_size!r}")
-        self.cp_size = cp_size
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        self.cp_size = take_context_parallel(training_args, cp_size)
         self.cp_mask = masks_mod.resolve(cp_mask)
         if cp_schedule != "auto":
             resolve_schedule(cp_schedule).check_mask(self.cp_mask)
@@ -80,10 +101,12 @@ class Trainer(transformers.Trainer):
         self._check_setup()
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
         #: the data-parallel group of this rank and the number of groups
-        self.dp_rank, self.dp_size = rank // cp_size, world // cp_size
-        self._cp_group = _consecutive_groups(cp_size, world, rank)
+        self.dp_rank, self.dp_size = rank // self.cp_size, world // self.cp_size
+        self._cp_group = _consecutive_groups(self.cp_size, world, rank)
         self._contexts = BoundedCache(CONTEXTS_KEPT)
         self._step_cp: ContextParallel | None = None  # the ContextParallel of the batch being run
+        self._step_tokens = 0  # the real tokens of the group's batch being run (TRL's num_tokens)
+        self._logged = False
 
     # ------------------------------------------------------------------ checks
     def _check_setup(self) -> None:
@@ -92,19 +115,19 @@ class Trainer(transformers.Trainer):
         config = getattr(self.model, "config", None)
         impl = getattr(config, "_attn_implementation", None)
         if config is not None and impl != hf_common.NAME:
-            raise ValueError(f"hf.Trainer needs a model built with attn_implementation={hf_common.NAME!r} (after "
-                             f"cpattn.integrations.hf.register()), got {impl!r}: its attention would see this "
-                             "rank's tokens only")
+            raise ValueError(f"{type(self).__name__} needs a model built with attn_implementation={hf_common.NAME!r} "
+                             f"(after cpattn.integrations.hf.register()), got {impl!r}: its attention would see this "
+                             "rank's tokens only. Build it with from_config(config, attn_implementation='cpattn') or "
+                             "from_pretrained(name, attn_implementation='cpattn'), call "
+                             "model.set_attn_implementation('cpattn'), or give TRL "
+                             "model_init_kwargs={'attn_implementation': 'cpattn'}")
         if self.accelerator.num_processes % self.cp_size:
             raise ValueError(f"cp_size={self.cp_size} does not divide the {self.accelerator.num_processes} "
                              "processes: the ranks form groups of cp_size consecutive ranks")
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and (pc.cp_size > 1 or pc.tp_size > 1 or pc.sp_size > 1):
-            raise NotImplementedError(
-                f"hf.Trainer runs with ParallelismConfig's data-parallel dimensions only, got cp_size={pc.cp_size}, "
-                f"tp_size={pc.tp_size}, sp_size={pc.sp_size}: give the context-parallel degree as "
-                "hf.Trainer(cp_size=...), and shard with FSDP2 over all ranks (e.g. "
-                "ParallelismConfig(dp_shard_size=world_size))")
+            raise NotImplementedError(_UNSUPPORTED_DIMS.format(cls=type(self).__name__, tp=pc.tp_size, sp=pc.sp_size)
+                                      + f" (the accelerator has cp_size={pc.cp_size})")
         if self.args.label_smoothing_factor:
             raise NotImplementedError("hf.Trainer: label smoothing shifts the labels of each rank's shard; set "
                                       "label_smoothing_factor=0")
@@ -176,12 +199,16 @@ class Trainer(transformers.Trainer):
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
             raise ValueError("hf.Trainer: a batch needs input_ids [b, seq] or inputs_embeds [b, seq, hidden]")
         attention_mask = inputs.pop("attention_mask", None)
+        # the group's real tokens, as TRL counts them: the attention mask's ones, else the packed row
+        self._step_tokens = int(attention_mask.sum()) if attention_mask is not None else tokens.shape[1]
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("hf.Trainer: attention_mask has padding (zeros), which cpattn does not take: pack the "
-                             "sequences without padding (transformers.DataCollatorWithFlattening: each document "
-                             "then attends to itself only), or drop attention_mask when every token is real")
-        cp = self.context(tokens.shape[1])
+            inputs = _pack_rows(inputs, attention_mask)  # right-padded rows: their real tokens, one document each
+            tokens = inputs["input_ids"]
         positions = inputs.get("position_ids")
+        if positions is None and any(inputs.get(key) is not None for key in PACKED_KEYS):
+            raise ValueError(f"hf.Trainer: a packed batch ({', '.join(k for k in PACKED_KEYS if k in inputs)}) needs "
+                             "position_ids restarting at 0 in each document")
+        cp = self.context(tokens.shape[1])
         if positions is not None and not bool((positions == torch.arange(tokens.shape[1],
                                                                           device=positions.device)).all()):
             cp, packed = hf_common.packed(cp, inputs)  # documents: the step's view of cp, with their document mask
@@ -189,6 +216,8 @@ class Trainer(transformers.Trainer):
             positions = cp.shard(packed["position_ids"], dim=1)
         else:
             positions = cp.positions()[None]
+        for key in PACKED_KEYS:  # checked by packed() (cu_seq_lens) or implied by the documents: the view replaces them
+            inputs.pop(key, None)
         if inputs.get("labels") is not None and self._loss_shifts_labels and "shift_labels" not in inputs:
             inputs["shift_labels"] = hf_common.shift_labels(inputs["labels"])
         for key in PER_TOKEN:
@@ -202,6 +231,12 @@ class Trainer(transformers.Trainer):
         if hasattr(getattr(self.model, "config", None), "use_cache"):
             inputs.setdefault("use_cache", False)  # no key/value cache of a whole sequence in training
         self._step_cp = cp
+        if not self._logged:
+            self._logged = True
+            if self.accelerator.is_main_process:
+                logger.info("cpattn context parallelism: %d data-parallel group(s) of %d ranks, schedule %s, mask %s "
+                            "(this step: %s)", self.dp_size, self.cp_size, cp.schedule_name, self.cp_mask.name,
+                            cp.mask.name)
         return functools.partial(hf_common.use, cp), inputs
 
     # ------------------------------------------------------------------ evaluation
@@ -214,7 +249,13 @@ class Trainer(transformers.Trainer):
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
         return_loss = inputs.get("return_loss")
         loss_without_labels = not self.label_names and (self.can_return_loss if return_loss is None else return_loss)
-        if has_labels or loss_without_labels:  # the Trainer shards the batch through the hook above
+        own_step = type(self)._base_prediction_step() is not transformers.Trainer.prediction_step
+        if (has_labels or loss_without_labels) and own_step:  # e.g. TRL's: it calls compute_loss without the hook
+            inputs = self._prepare_inputs(inputs)
+            context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+            with context():
+                loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        elif has_labels or loss_without_labels:  # the Trainer shards the batch through the hook above
             loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         else:  # the Trainer would call the model on the full batch, outside hf.use
             loss, logits, labels = self._predict_without_labels(model, inputs, prediction_loss_only, ignore_keys)
@@ -225,6 +266,25 @@ class Trainer(transformers.Trainer):
         if logits is not None:
             logits = _unshard(cp, logits)
         return loss, logits, labels
+
+    @classmethod
+    def _base_prediction_step(cls):
+        """The ``prediction_step`` this class's base trainer runs."""
+        return super().prediction_step
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The base trainer's loss. TRL's ``SFTTrainer`` counts the tokens of every rank's shard in its logged
+        ``num_tokens`` (the layout's padding included); they are counted here once per group's batch."""
+        before = getattr(self, "_total_train_tokens", None)
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        metrics = getattr(self, "_metrics", None)
+        if before is not None and isinstance(metrics, dict) and "train" in metrics and self.model.training:
+            device = self.accelerator.device
+            count = self.accelerator.gather_for_metrics(torch.tensor(self._step_tokens, device=device)).sum().item()
+            self._total_train_tokens = before + count // self.cp_size
+            metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return result
 
     def _predict_without_labels(self, model, inputs, prediction_loss_only, ignore_keys):
         inputs = self._prepare_inputs(inputs)
@@ -286,3 +346,106 @@ def _unshard(cp: ContextParallel, outputs):
     if isinstance(outputs, (tuple, list)):
         return type(outputs)(_unshard(cp, x) for x in outputs)
     return outputs
+
+
+_UNSUPPORTED_DIMS = ("{cls} runs cpattn's context parallelism with data parallelism (ParallelismConfig's "
+                     "dp_replicate_size and dp_shard_size, and cp_size) only, got tp_size={tp}, sp_size={sp}: "
+                     "set tp_size=1 and sp_size=1")
+
+
+def take_context_parallel(args, cp_size: int | None) -> int:
+    """The context-parallel degree of a trainer given ``cp_size`` and training arguments ``args``, whose
+    ``parallelism_config`` (else accelerate's ``PARALLELISM_CONFIG_*`` environment variables, when
+    ``ACCELERATE_USE_PARALLELISM_CONFIG`` is true) may hold it; raises when both give one and they differ,
+    or when tensor or sequence parallelism is asked for. Takes it out of that configuration, before the
+    ``Accelerator`` is built, so accelerate (and TRL's checks) never see context parallelism: on a CPU no
+    ``ParallelismConfig`` remains (data parallel over the CP groups); on GPUs the CP ranks join
+    ``dp_shard`` (FSDP2 over ``dp_shard x cp`` ranks, the mesh accelerate would shard over)."""
+    config = getattr(args, "parallelism_config", None)
+    from_env = os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+    if config is None and not from_env:
+        return cp_size or 1
+    from accelerate import ParallelismConfig
+
+    config = config if config is not None else ParallelismConfig()
+    if config.tp_size > 1 or config.sp_size > 1:
+        raise NotImplementedError(_UNSUPPORTED_DIMS.format(cls="context_parallel", tp=config.tp_size,
+                                                           sp=config.sp_size))
+    if config.cp_size > 1 and cp_size is not None and cp_size != config.cp_size:
+        raise ValueError(f"cp_size={cp_size} disagrees with ParallelismConfig(cp_size={config.cp_size}): give the "
+                         "context-parallel degree once (either is enough)")
+    size = config.cp_size if config.cp_size > 1 else (cp_size or 1)
+    if config.cp_size == 1 and args is not None and getattr(args, "parallelism_config", None) is not None:
+        return size  # nothing to take out: data-parallel dimensions only (accelerate checks them)
+    on_cpu = bool(getattr(args, "use_cpu", False)) or not torch.cuda.is_available()
+    kept = None if on_cpu else ParallelismConfig(
+        dp_replicate_size=config.dp_replicate_size, dp_shard_size=config.dp_shard_size * config.cp_size,
+        tp_size=1, cp_size=1, sp_size=1)
+    if args is not None:
+        args.parallelism_config = kept
+    if from_env and kept is None:
+        os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "false"  # accelerate would rebuild it from the environment
+    elif from_env:
+        os.environ["PARALLELISM_CONFIG_CP_SIZE"] = "1"
+        os.environ["PARALLELISM_CONFIG_DP_SHARD_SIZE"] = str(kept.dp_shard_size)
+    return size
+
+
+def _pack_rows(inputs: dict[str, Any], attention_mask: torch.Tensor) -> dict[str, Any]:
+    """A batch of right-padded rows (``attention_mask [b, S]``: each row's ones, then zeros) as one packed
+    row of their real tokens, each row a document (``position_ids`` restarting at 0; its first label
+    ignored, as a row's first token is never predicted). Any other padding raises."""
+    b, width = attention_mask.shape
+    lengths = attention_mask.sum(1)
+    right = torch.arange(width, device=attention_mask.device)[None] < lengths[:, None]
+    if not bool((attention_mask.bool() == right).all()):
+        raise ValueError("hf.Trainer: attention_mask has padding (zeros) that is not right padding, which cpattn does "
+                         "not take: pad on the right (padding_side='right'), or pack the sequences without padding "
+                         "(transformers.DataCollatorWithFlattening, TRL's padding_free=True: each document then "
+                         "attends to itself only)")
+    out = dict(inputs)
+    if out.get("position_ids") is None:
+        out["position_ids"] = torch.arange(width, device=attention_mask.device).expand(b, width)
+    if out.get("labels") is not None:
+        out["labels"] = out["labels"].clone()
+        out["labels"][:, 0] = hf_common.IGNORE_INDEX
+    for key in (*PER_TOKEN, "position_ids"):
+        value = out.get(key)
+        if isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == (b, width):
+            out[key] = value[right][None]
+    return out
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def context_parallel(trainer_class: type) -> type:
+    """``trainer_class`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``, a user's own) with
+    cpattn's context parallelism: a subclass taking ``cp_size=``, ``cp_schedule=`` and ``cp_mask=`` besides
+    its own arguments (:class:`ContextParallelTrainer`), or reading ``cp_size`` from
+    ``args.parallelism_config``. The same class for the same argument; a class that already has it is
+    returned as it is::
+
+        SFTTrainer = hf.context_parallel(trl.SFTTrainer)
+        trainer = SFTTrainer(model=model, args=SFTConfig(..., parallelism_config=ParallelismConfig(cp_size=2)),
+                             train_dataset=data, processing_class=tokenizer)
+    """
+    if not isinstance(trainer_class, type) or not issubclass(trainer_class, transformers.Trainer):
+        raise TypeError(f"context_parallel takes transformers.Trainer or a subclass of it, got {trainer_class!r}")
+    if issubclass(trainer_class, ContextParallelTrainer):
+        return trainer_class
+    if trainer_class not in _CLASSES:
+        _CLASSES[trainer_class] = type(trainer_class.__name__, (ContextParallelTrainer, trainer_class),
+                                       {"__module__": trainer_class.__module__,
+                                        "__qualname__": trainer_class.__qualname__,
+                                        "__doc__": f"{trainer_class.__name__} with cpattn's context parallelism "
+                                                   "(cpattn.integrations.hf.context_parallel)."})
+    return _CLASSES[trainer_class]
+
+
+class Trainer(ContextParallelTrainer, transformers.Trainer):
+    """``transformers.Trainer`` whose model attends through cpattn over groups of ``cp_size`` ranks
+    (``context_parallel(transformers.Trainer)``; see :class:`ContextParallelTrainer`)."""
+
+
+_CLASSES[transformers.Trainer] = Trainer
