@@ -18,7 +18,6 @@ version), so a model's layers reuse one object per step without reading the devi
 
 from __future__ import annotations
 
-import operator
 import os
 import weakref
 from bisect import bisect_left
@@ -32,9 +31,11 @@ from ... import agree, cost, schedules
 from ...api import ContextParallel
 from ...core import layout as layout_mod
 from ...core.comm import Communicator
-from ...core.masks import Mask, causal, document, full
+from ...core.masks import Mask
 from ...core.memo import BoundedCache
-from ...functional import _window_mask
+from ...packing import document_lengths as _lengths
+from ...packing import document_mask, read_bounds
+from ...packing import show_bounds as _show
 from ...schedules.base import Schedule
 
 #: ContextParallel objects kept (a step's few; one per distinct documents, schedule and group)
@@ -76,45 +77,6 @@ def _version(t: torch.Tensor) -> int | None:
         return t._version
     except RuntimeError:
         return None
-
-
-def read_bounds(cu_seqlens, name: str) -> tuple[int, ...]:
-    """The host values of a ``cu_seqlens`` (a 1-D integer tensor or a sequence of ints), checked: it
-    starts at 0 and never decreases (a repeated boundary is an empty document)."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex \
-                or cu_seqlens.dtype == torch.bool:
-            raise TypeError(f"{name} must be a 1-D integer tensor (int32, as flash-attn takes it), got "
-                            f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
-        bounds = tuple(cu_seqlens.tolist())
-    else:
-        try:
-            bounds = tuple(operator.index(b) for b in cu_seqlens)
-        except TypeError:
-            raise TypeError(f"{name} must be a 1-D integer tensor, got {type(cu_seqlens).__name__}") from None
-    if len(bounds) < 2 or bounds[0] != 0:
-        raise ValueError(f"{name} must start at 0 and hold at least one document boundary after it, got "
-                         f"{_show(bounds)}")
-    if any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"{name} must not decrease, got {_show(bounds)}")
-    return bounds
-
-
-def _show(bounds) -> str:
-    bounds = list(bounds)
-    return str(bounds if len(bounds) <= 10 else bounds[:5] + ["..."] + bounds[-3:])
-
-
-def _lengths(bounds: tuple[int, ...]) -> list[int]:
-    """Document lengths, empty documents (repeated boundaries) left out."""
-    return [b - a for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def document_mask(lengths: list[int], is_causal: bool, window_size) -> Mask:
-    """The documents, each attending only inside itself, under flash-attn's ``causal`` and ``window_size``."""
-    window = _window_mask(bool(is_causal), window_size)
-    docs = document(lengths, causal=window.is_causal)
-    return docs if window in (causal(), full()) else docs & window
 
 
 # ------------------------------------------------------------------ the schedule behind a borrowed call
