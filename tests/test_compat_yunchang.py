@@ -161,3 +161,35 @@ def test_long_context_attention_is_exact_at_p2(worlds):
 @pytest.mark.slow
 def test_long_context_attention_is_exact_at_p4(worlds):
     _run_exactness(worlds, 4)
+
+
+# ------------------------------------------------------------------ the schedule behind a borrowed call
+def test_cpattn_schedule_changes_the_schedule_behind_substitute_hf_flash_attn(worlds):
+    """``$CPATTN_SCHEDULE`` puts ring, usp or the cost model's choice behind the Hugging Face adapter (allgather
+    when unset) with the same results, batch 2 rows sharing the documents; a schedule that needs another
+    layout is refused on every rank; ``cpattn.compat.comm_stats`` counts the bytes."""
+    import yunchang_workers as w
+
+    lengths, b, h, h_kv, d, seed = [5, 13, 7, 7], 2, 4, 2, 8, 77  # the second document crosses the ranks
+    requests = [None, "ring", "usp", "auto"]
+    report = worlds.get(2).run("yunchang_workers.schedules_behind_the_hf_adapter", timeout=300, lengths=lengths,
+                               b=b, h=h, h_kv=h_kv, d=d, seed=seed, requests=requests, refused="ringx4")
+    for rank, r in enumerate(report):
+        assert isinstance(r, dict), f"rank {rank}: {r}"
+        assert [run["schedule"] for run in r["runs"]] == ["allgather", "ring", "usp", r["cost_model"]], r["runs"]
+        assert r["refused"] and "ringx4" in r["refused"] and "contiguous" in r["refused"], r["refused"]
+        for run in r["runs"]:
+            assert run["compat_bytes"] == run["object_bytes"] and sum(run["compat_bytes"]) > 0, run
+    seq = sum(lengths)
+    q, k, v, dout = w.inputs(seed, (b, seq, h, d), (b, seq, h_kv, d))
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    ref = _reference(q, k, v, dout, allowed, 0.0, torch.float64)
+    single = _reference(q, k, v, dout, allowed, 0.0, torch.float32)
+    for i, request in enumerate(requests):
+        for key in ("out", "dq", "dk", "dv"):
+            got = torch.cat([r["runs"][i][key] for r in report], dim=1)
+            err, e_local = _relative(got, ref[key]), _relative(single[key], ref[key])
+            assert err <= 2 * e_local + 1e-6, f"{request}: {key} relative error {err:.2e} (single {e_local:.2e})"
+            first = torch.cat([r["runs"][0][key] for r in report], dim=1)
+            torch.testing.assert_close(got, first, rtol=1e-5, atol=1e-5)

@@ -103,3 +103,76 @@ def long_context_cases(cases: list[dict]) -> list[dict]:
                       "extract_ok": extract is None or torch.equal(extract, local[0]),
                       "traffic": _traffic_matches(cp, local[0], local[1], run)})
     return found
+
+
+def _hf_call(attention, local, causal=True, softcap=None, sliding_window=None):
+    """Forward and backward of the substituted ``_flash_attention_forward`` on this rank's ``[b, s, h, d]``."""
+    qq, kk, vv = (t.clone().requires_grad_() for t in local[:3])
+    out = attention(qq, kk, vv, None, query_length=qq.shape[1], is_causal=causal, softcap=softcap,
+                    sliding_window=sliding_window)
+    out.backward(local[3])
+    return out.detach(), qq.grad, kk.grad, vv.grad
+
+
+def schedules_behind_the_hf_adapter(lengths: list[int], b: int, h: int, h_kv: int, d: int, seed: int,
+                                    requests: list[str | None], refused: str) -> dict:
+    """``substitute_hf_flash_attn`` with ``$CPATTN_SCHEDULE`` set to each of ``requests`` (None: unset), the same
+    documents and a ``[b, S/P, h, d]`` contiguous slice of them per rank (rows sharing ``DATA_PARAMS``): per
+    request the schedule that ran, the local out and gradients, and the bytes ``cpattn.compat.comm_stats``
+    counted against the object's own; the cost model's choice for the case, made here from
+    ``cpattn.cost.choose`` over the schedules that run on a contiguous slice; and the error a schedule that
+    needs another layout raises (``refused``)."""
+    import os
+
+    import transformers.modeling_flash_attention_utils as fa_utils
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from cpattn import cost, schedules
+    from cpattn.compat.ring_flash_attn import _calls, substitute_hf_flash_attn, update_ring_flash_attn_params
+    from cpattn.core.layout import Layout
+    from cpattn.core.masks import document
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    seq = sum(lengths)
+    q, k, v, dout = inputs(seed, (b, seq, h, d), (b, seq, h_kv, d))
+    n = seq // world
+    local = [t[:, rank * n:(rank + 1) * n].contiguous() for t in (q, k, v, dout)]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    saved = fa_utils._flash_attention_forward, ALL_ATTENTION_FUNCTIONS["flash_attention_2"]
+    env = os.environ.get(_calls.SCHEDULE_ENV)
+    substitute_hf_flash_attn(None, heads_k_stride=1)
+    found: dict = {"runs": []}
+    try:
+        for request in requests:
+            if request is None:
+                os.environ.pop(_calls.SCHEDULE_ENV, None)
+            else:
+                os.environ[_calls.SCHEDULE_ENV] = request
+            update_ring_flash_attn_params(cu_seqlens, None)
+            cpattn.compat.reset_comm_stats()
+            out, dq, dk, dv = _hf_call(fa_utils._flash_attention_forward, local)
+            cp = _calls._OBJECTS.get(next(reversed(_calls._OBJECTS._items)), None)
+            moved = [(t["bytes_sent"], t["bytes_recv"]) for t in (cpattn.compat.comm_stats()["total"],
+                                                                   cp.comm_stats()["total"])]
+            found["runs"].append({"request": request, "schedule": cp.schedule_name, "out": out, "dq": dq, "dk": dk,
+                                  "dv": dv, "compat_bytes": moved[0], "object_bytes": moved[1]})
+        mask = document(lengths, causal=True)
+        names = [name for name in cost.default_candidates(mask) if cost.estimable(name)
+                 and (schedules.get(name).custom_layout or schedules.get(name).layout_for(mask) == "contiguous")]
+        problem = cost.Problem(seq, world, mask, batch=b, heads=h, kv_heads=h_kv, head_dim=d, dtype="float32",
+                               layout=Layout("contiguous"))
+        found["cost_model"] = cost.choose(problem, cost.presets.this_machine(world, "test"), names)[0]
+        os.environ[_calls.SCHEDULE_ENV] = refused
+        update_ring_flash_attn_params(cu_seqlens, None)
+        try:
+            _hf_call(fa_utils._flash_attention_forward, local)
+            found["refused"] = None
+        except ValueError as exc:
+            found["refused"] = str(exc)
+    finally:
+        fa_utils._flash_attention_forward, ALL_ATTENTION_FUNCTIONS["flash_attention_2"] = saved
+        if env is None:
+            os.environ.pop(_calls.SCHEDULE_ENV, None)
+        else:
+            os.environ[_calls.SCHEDULE_ENV] = env
+    return found
