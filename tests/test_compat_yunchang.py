@@ -193,3 +193,37 @@ def test_cpattn_schedule_changes_the_schedule_behind_substitute_hf_flash_attn(wo
             assert err <= 2 * e_local + 1e-6, f"{request}: {key} relative error {err:.2e} (single {e_local:.2e})"
             first = torch.cat([r["runs"][0][key] for r in report], dim=1)
             torch.testing.assert_close(got, first, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_schedule_behind_long_context_attention(worlds, world):
+    """``LongContextAttention(schedule=...)``: another schedule on yunchang's layout with the same exact results,
+    ``"auto"`` the cost model's choice among the schedules that run on that layout, and one that needs another
+    layout refused; ``$CPATTN_SCHEDULE`` behind ``ring_flash_attn_varlen_func``."""
+    import yunchang_workers as w
+
+    # 1 x 2 zigzag is the zigzag layout; 2 x 2 zigzag is an explicit one (each rank one of the ring span's halves)
+    ud, rd, layout = (1, 2, "zigzag") if world == 2 else (2, 2, None)
+    seq, h, h_kv, d, seed = 16 * world, 4, 2, 8, 4242
+    requests = [None, "ring", "auto"]
+    report = worlds.get(world).run("yunchang_workers.layer_schedules", timeout=300, ud=ud, rd=rd, impl="zigzag",
+                                   layout=layout or "zigzag", seq=seq, h=h, h_kv=h_kv, d=d, seed=seed,
+                                   requests=requests, refused="stripe_ring")
+    for rank, r in enumerate(report):
+        assert isinstance(r, dict), f"rank {rank}: {r}"
+        assert [run["schedule"] for run in r["runs"]][:2] == ["usp", "ring"], r["runs"]
+        if layout is not None:  # the test names the caller's layout only where it is a named one
+            assert r["runs"][2]["schedule"] == r["cost_model"], (r["runs"][2]["schedule"], r["cost_model"])
+        assert r["refused"] and "stripe_ring" in r["refused"] and "never laid out again" in r["refused"], r["refused"]
+        assert r["varlen"]["schedules"] == ["ring", "usp"] and r["varlen"]["difference"] <= 1e-5, r["varlen"]
+    q, k, v, dout = w.inputs(seed, (1, seq, h, d), (1, seq, h_kv, d))
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()
+    ref = _reference(q, k, v, dout, allowed, 0.0, torch.float64)
+    single = _reference(q, k, v, dout, allowed, 0.0, torch.float32)
+    idx = torch.cat([r["idx"] for r in report])
+    for i, request in enumerate(requests):
+        for key in ("out", "dq", "dk", "dv"):
+            got = torch.empty_like(ref[key], dtype=torch.float32)
+            got.index_copy_(1, idx, torch.cat([r["runs"][i][key] for r in report], dim=1))
+            err, e_local = _relative(got, ref[key]), _relative(single[key], ref[key])
+            assert err <= 2 * e_local + 1e-6, f"{request}: {key} relative error {err:.2e} (single {e_local:.2e})"

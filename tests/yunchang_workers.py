@@ -176,3 +176,66 @@ def schedules_behind_the_hf_adapter(lengths: list[int], b: int, h: int, h_kv: in
         else:
             os.environ[_calls.SCHEDULE_ENV] = env
     return found
+
+
+def layer_schedules(ud: int, rd: int, impl: str, layout: str, seq: int, h: int, h_kv: int, d: int, seed: int,
+                    requests: list, refused: str) -> dict:
+    """``LongContextAttention(ring_impl_type=impl, schedule=request)`` for each of ``requests`` on yunchang's
+    ``ud x rd`` groups (Ulysses on the low ranks), causal: per request the schedule that ran, out and gradients;
+    the cost model's choice among the schedules that run on ``layout`` (the name of the layout these tokens
+    form, as the test knows it); the error ``refused`` raises. Then ``ring_flash_attn_varlen_func`` with
+    ``$CPATTN_SCHEDULE=usp`` against its own ``ring``: the schedules that ran and the largest difference."""
+    import os
+
+    from cpattn import cost, schedules
+    from cpattn.compat.ring_flash_attn import _calls
+    from cpattn.core.layout import Layout
+    from cpattn.core.masks import causal
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    set_seq_parallel_pg(ud, rd, rank, world)
+    q, k, v, dout = inputs(seed, (1, seq, h, d), (1, seq, h_kv, d))
+    idx = token_index(impl, seq, ud, rd, rank // ud, rank % ud)
+    local = [t[:, idx].contiguous() for t in (q, k, v, dout)]
+    found: dict = {"idx": idx, "runs": []}
+    for request in requests:
+        attn = LongContextAttention(ring_impl_type=impl, schedule=request)
+        qq, kk, vv = (t.clone().requires_grad_() for t in local[:3])
+        out = attn(qq, kk, vv, causal=True)
+        out.backward(local[3])
+        cp = next(reversed(attn._objects._items.values()))
+        cp = cp[1] if isinstance(cp, tuple) else cp
+        found["runs"].append({"schedule": cp.schedule_name, "out": out.detach(), "dq": qq.grad, "dk": kk.grad,
+                              "dv": vv.grad})
+    names = [n for n in cost.default_candidates(causal()) if cost.estimable(n)
+             and (schedules.get(n).custom_layout or schedules.get(n).layout_for(causal()) == layout)]
+    problem = cost.Problem(seq, world, causal(), batch=1, heads=h, kv_heads=h_kv, head_dim=d, dtype="float32",
+                           layout=Layout(layout))
+    found["cost_model"] = cost.choose(problem, cost.presets.this_machine(world, "test"), names)[0]
+    try:
+        LongContextAttention(ring_impl_type=impl, schedule=refused)(*local[:3], causal=True)
+        found["refused"] = None
+    except ValueError as exc:
+        found["refused"] = str(exc)
+
+    ring_flash_attn = cpattn.compat.install("ring_flash_attn")
+    lengths = [4 * world, 8 * world, 4 * world]
+    tokens = sum(lengths)
+    q, k, v, _ = inputs(seed + 1, (tokens, h, d), (tokens, h_kv, d))
+    mine = torch.cat([torch.arange(a + rank * (n // world), a + (rank + 1) * (n // world))
+                      for a, n in zip([0, *torch.tensor(lengths).cumsum(0).tolist()[:-1]], lengths)])
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32) // world
+    outs, ran = [], []
+    env = os.environ.pop(_calls.SCHEDULE_ENV, None)
+    try:
+        for request in (None, "usp"):
+            if request is not None:
+                os.environ[_calls.SCHEDULE_ENV] = request
+            outs.append(ring_flash_attn.ring_flash_attn_varlen_func(q[mine], k[mine], v[mine], cu, 0, causal=True))
+            ran.append(_calls._OBJECTS.get(next(reversed(_calls._OBJECTS._items)), None).schedule_name)
+    finally:
+        os.environ.pop(_calls.SCHEDULE_ENV, None)
+        if env is not None:
+            os.environ[_calls.SCHEDULE_ENV] = env
+    found["varlen"] = {"schedules": ran, "difference": float((outs[0] - outs[1]).abs().max())}
+    return found

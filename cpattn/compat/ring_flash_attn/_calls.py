@@ -235,15 +235,18 @@ def per_document_layout(local_bounds: tuple[int, ...], world: int, zigzag: bool)
 
 
 def varlen_object(q: torch.Tensor, cu_seqlens, group, zigzag: bool, is_causal: bool,
-                  window_size) -> ContextParallel:
+                  window_size, kv_heads: int | None = None) -> ContextParallel:
     """The ContextParallel of a ring or zigzag varlen call with local ``cu_seqlens``; found by the tensor's
-    identity and version after its first call."""
+    identity and version after its first call. ``$CPATTN_SCHEDULE`` (:func:`requested_schedule`) replaces
+    ``ring`` / ``zigzag_ring`` on the same per-document layout (``kv_heads``: k's heads, for ``"auto"``)."""
     _rank, ranks = members(group)
     world = len(ranks)
     version = _version(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else None
     fast = version is not None  # found again by identity only while in-place changes would show
+    requested = requested_schedule()
+    shape = None if requested is None else (1, q.shape[1], kv_heads or q.shape[1], q.shape[2], q.dtype)
     key = ("varlen", id(cu_seqlens), version, zigzag, ranks, bool(is_causal),
-           tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size, q.shape[0])
+           tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size, q.shape[0], requested, shape)
 
     def settings():
         bounds = read_bounds(cu_seqlens, "cu_seqlens")
@@ -260,8 +263,8 @@ def varlen_object(q: torch.Tensor, cu_seqlens, group, zigzag: bool, is_causal: b
 
     what = f"{'zigzag_' if zigzag else ''}ring_flash_attn_varlen_func"
     if not fast:
-        return context_parallel(what, group, settings)
-    return _BY_TENSOR.get_for(cu_seqlens, key, lambda: context_parallel(what, group, settings))
+        return context_parallel(what, group, settings, requested, shape)
+    return _BY_TENSOR.get_for(cu_seqlens, key, lambda: context_parallel(what, group, settings, requested, shape))
 
 
 def packed_attention(cp: ContextParallel, q, k, v, softmax_scale, return_attn_probs, softcap=None, sinks=None):
@@ -282,7 +285,8 @@ def varlen_call(zigzag: bool, q, k, v, cu_seqlens, max_seqlen, dropout_p, softma
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError("q must be a packed [total_tokens, heads, head_dim] tensor")
     refuse_unsupported(dropout_p, alibi_slopes, deterministic, q.device)
-    cp = varlen_object(q, cu_seqlens, group, zigzag, is_causal, window_size)
+    cp = varlen_object(q, cu_seqlens, group, zigzag, is_causal, window_size,
+                       k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 3 else None)
     return packed_attention(cp, q, k, v, softmax_scale, return_attn_probs)
 
 
