@@ -120,6 +120,10 @@ def _cases(world: int) -> list[dict]:
                   "seq": seq, "h": 4, "h_kv": 1, "d": 8, "window_size": (5, 0), "softcap": 3.0})
     cases.append({"impl": "basic", "ud": world, "rd": 1, "low": True, "causal": True, "b": 1, "seq": seq, "h": 4,
                   "h_kv": 2, "d": 8, "ulysses_layer": True})
+    cases.append({"impl": "strip", "ud": pairs[0][0], "rd": pairs[0][1], "low": True, "causal": True, "b": 1,
+                  "seq": seq, "h": 4, "h_kv": 4, "d": 8, "packed": True})  # LongContextAttentionQKVPacked
+    cases.append({"impl": "basic_pytorch", "ud": pairs[0][0], "rd": pairs[0][1], "low": True, "causal": True, "b": 1,
+                  "seq": seq, "h": 4, "h_kv": 2, "d": 8})  # another kernel of the basic ring: the basic layout
     for i, c in enumerate(cases):
         c["seed"] = 1000 * world + i
     return cases

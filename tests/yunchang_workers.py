@@ -12,7 +12,13 @@ import cpattn.compat
 
 cpattn.compat.install("yunchang")
 
-from yunchang import EXTRACT_FUNC_DICT, LongContextAttention, UlyssesAttention, set_seq_parallel_pg  # noqa: E402
+from yunchang import (  # noqa: E402
+    EXTRACT_FUNC_DICT,
+    LongContextAttention,
+    LongContextAttentionQKVPacked,
+    UlyssesAttention,
+    set_seq_parallel_pg,
+)
 from yunchang.globals import PROCESS_GROUP  # noqa: E402
 
 
@@ -40,7 +46,7 @@ def token_index(impl: str, seq: int, ud: int, rd: int, ring_rank: int, ulysses_r
     """yunchang's rule: the ring rank's span (basic: piece r of R; zigzag: chunks r and 2R-1-r of 2R; strip:
     tokens r, r+R, ...), then the Ulysses rank's contiguous part of it (the all-to-all's order)."""
     tokens = torch.arange(seq)
-    if impl == "basic":
+    if impl.startswith("basic"):  # basic and its other kernels (basic_pytorch, ...)
         span = tokens.reshape(rd, -1)[ring_rank]
     elif impl == "zigzag":
         span = tokens.reshape(2 * rd, -1)[[ring_rank, 2 * rd - 1 - ring_rank]].reshape(-1)
@@ -81,12 +87,18 @@ def long_context_cases(cases: list[dict]) -> list[dict]:
             groups_ok = (dist.get_process_group_ranks(PROCESS_GROUP.ULYSSES_PG) == mine_u
                          and dist.get_process_group_ranks(PROCESS_GROUP.RING_PG) == mine_r)
             idx = token_index(c["impl"], c["seq"], c["ud"], c["rd"], mine_r.index(rank), mine_u.index(rank))
-            attn = LongContextAttention(ring_impl_type=c["impl"])
+            attn = LongContextAttentionQKVPacked(ring_impl_type=c["impl"]) if c.get("packed") else \
+                LongContextAttention(ring_impl_type=c["impl"])
         local = [t[:, idx].contiguous() for t in (q, k, v, dout)]
         kwargs = {"causal": c["causal"], "window_size": tuple(c.get("window_size", (-1, -1))),
                   "softcap": c.get("softcap", 0.0)}
 
         def run(local=local, attn=attn, kwargs=kwargs):
+            if isinstance(attn, LongContextAttentionQKVPacked):
+                qkv = torch.stack(local[:3], dim=2).requires_grad_()
+                out = attn(qkv, **kwargs)
+                out.backward(local[3])
+                return out.detach(), *qkv.grad.unbind(2)
             qq, kk, vv = (t.clone().requires_grad_() for t in local[:3])
             out = attn(qq, kk, vv, **kwargs)
             out.backward(local[3])

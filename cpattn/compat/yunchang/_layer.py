@@ -30,6 +30,8 @@ from .kernels import AttnType
 
 #: ContextParallel objects a layer keeps (one per shape and mask it meets)
 KEPT = 8
+#: yunchang's other kernels of the basic (contiguous) ring: the same tokens per rank, cpattn's kernels
+BASIC_KERNELS = ("basic_pytorch", "basic_flashinfer", "basic_npu")
 _USP: dict[int, USP] = {}  # one schedule object per Ulysses degree, so objects made with it are found again
 
 
@@ -123,12 +125,13 @@ class LongContextAttention(_CPAttention):
         if self.ring_pg is None and self.ulysses_pg is None:
             raise RuntimeError("use set_seq_parallel_pg() first: PROCESS_GROUP has no Ulysses or ring group")
         _check_indices(scatter_idx, gather_idx, (2, 1))
-        if ring_impl_type not in _layout.RING_IMPL_TYPES:
+        if ring_impl_type not in _layout.RING_IMPL_TYPES and ring_impl_type not in BASIC_KERNELS:
             raise NotImplementedError(f"ring_impl_type={ring_impl_type!r}: cpattn runs "
-                                      f"{', '.join(map(repr, _layout.RING_IMPL_TYPES))}")
+                                      f"{', '.join(map(repr, _layout.RING_IMPL_TYPES + BASIC_KERNELS))}")
         _check_attn_type(attn_type, attn_processor)
         self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
         self.ring_impl_type = ring_impl_type
+        self._layout_type = "basic" if ring_impl_type in BASIC_KERNELS else ring_impl_type
         self.use_pack_qkv, self.use_sync = use_pack_qkv, use_sync
         self.attn_type, self.attn_processor = attn_type, attn_processor
 
@@ -146,7 +149,7 @@ class LongContextAttention(_CPAttention):
                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                 deterministic=False, return_attn_probs=False, *args: Any) -> torch.Tensor:
         """``out [b, s_local, h, d]`` (only the output, with ``return_attn_probs`` too, as yunchang)."""
-        return self._attend("LongContextAttention", self.ring_impl_type, query, key, value, dropout_p,
+        return self._attend("LongContextAttention", self._layout_type, query, key, value, dropout_p,
                             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
 
 
@@ -165,7 +168,7 @@ class LongContextAttentionQKVPacked(LongContextAttention):
         if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError("LongContextAttentionQKVPacked: qkv must be a [batch, seq_local, 3, heads, head_dim] "
                              "tensor")
-        return self._attend("LongContextAttentionQKVPacked", self.ring_impl_type, qkv[:, :, 0], qkv[:, :, 1],
+        return self._attend("LongContextAttentionQKVPacked", self._layout_type, qkv[:, :, 0], qkv[:, :, 1],
                             qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                             deterministic)
 
