@@ -231,3 +231,13 @@ def test_schedule_behind_long_context_attention(worlds, world):
             got.index_copy_(1, idx, torch.cat([r["runs"][i][key] for r in report], dim=1))
             err, e_local = _relative(got, ref[key]), _relative(single[key], ref[key])
             assert err <= 2 * e_local + 1e-6, f"{request}: {key} relative error {err:.2e} (single {e_local:.2e})"
+
+
+def test_a_layer_keeps_its_groups_and_bad_input_raises_on_every_rank(worlds):
+    report = worlds.get(2).run("yunchang_workers.groups_and_errors", timeout=120)
+    for rank, r in enumerate(report):
+        assert isinstance(r, dict), f"rank {rank}: {r}"
+        assert (r["ring"], r["ulysses"]) == ("usp", "ulysses"), r
+        assert r["zigzag"].startswith("ValueError") and "2 x 2 chunks" in r["zigzag"], r["zigzag"]
+        assert r["dropout"].startswith("NotImplementedError") and "dropout" in r["dropout"], r["dropout"]
+    assert report[0]["zigzag"] == report[1]["zigzag"]

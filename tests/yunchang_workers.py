@@ -251,3 +251,29 @@ def layer_schedules(ud: int, rd: int, impl: str, layout: str, seq: int, h: int, 
             os.environ[_calls.SCHEDULE_ENV] = env
     found["varlen"] = {"schedules": ran, "difference": float((outs[0] - outs[1]).abs().max())}
     return found
+
+
+def groups_and_errors() -> dict:
+    """A layer made under ``set_seq_parallel_pg(1, 2)`` keeps those groups after ``set_seq_parallel_pg(2, 1)`` (as
+    yunchang's layers keep the groups they read when made); the errors of a zigzag length the layout cannot cut and
+    of dropout, as each rank sees them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    set_seq_parallel_pg(1, world, rank, world)
+    ring_layer = LongContextAttention()
+    set_seq_parallel_pg(world, 1, rank, world)
+    ulysses_layer = LongContextAttention()
+    q = torch.randn(1, 8, 4, 8)
+    found = {}
+    for name, layer in (("ring", ring_layer), ("ulysses", ulysses_layer)):
+        layer(q, q, q, causal=True)
+        cp = next(reversed(layer._objects._items.values()))
+        found[name] = (cp[1] if isinstance(cp, tuple) else cp).schedule_name
+    set_seq_parallel_pg(1, world, rank, world)
+    for name, call in (("zigzag", lambda: LongContextAttention(ring_impl_type="zigzag")(q[:, :3], q[:, :3], q[:, :3])),
+                       ("dropout", lambda: ring_layer(q, q, q, dropout_p=0.1))):
+        try:
+            call()
+            found[name] = None
+        except (ValueError, NotImplementedError) as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
+    return found

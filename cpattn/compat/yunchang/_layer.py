@@ -52,12 +52,13 @@ def _check_attn_type(attn_type, attn_processor) -> None:
         raise NotImplementedError("attn_processor is not supported (cpattn runs its own exact kernels); pass None")
 
 
-def _grid_of(ulysses_pg, ring_pg) -> Grid:
-    """The sequence-parallel block of a layer's groups: the one set_seq_parallel_pg made, or, where only one of
-    the two groups has more than one rank, that group alone."""
-    grid = PROCESS_GROUP.grid
-    if grid is not None and ulysses_pg is PROCESS_GROUP.ULYSSES_PG and ring_pg is PROCESS_GROUP.RING_PG:
-        return grid
+def _grid_of(ulysses_pg, ring_pg, recorded: Grid | None) -> Grid:
+    """The sequence-parallel block of a layer's groups: the one set_seq_parallel_pg made them in (``recorded``
+    when the layer was made, else the latest), or, where only one of the two groups has more than one rank,
+    that group alone."""
+    for grid in (recorded, PROCESS_GROUP.grid):
+        if grid is not None and ulysses_pg is grid.ulysses_group and ring_pg is grid.ring_group:
+            return grid
     sizes = [1 if g is None else dist.get_world_size(g) for g in (ulysses_pg, ring_pg)]
     if sizes[1] == 1 and ulysses_pg is not None:
         return Grid(ulysses_pg, sizes[0], 1, tuple((0, u) for u in range(sizes[0])))
@@ -98,6 +99,11 @@ class _CPAttention(torch.nn.Module):
         def settings():
             mask = _window_mask(bool(causal), window_size)
             seq_len = query.shape[1] * len(grid.coords)
+            if ring_impl_type == "zigzag" and seq_len % (2 * grid.ring_degree):
+                raise ValueError(f"{what}: ring_impl_type='zigzag' cuts the sequence into 2 x {grid.ring_degree} "
+                                 f"chunks (2 x the ring degree), but it holds {seq_len} tokens ({query.shape[1]} per "
+                                 f"rank x {len(grid.coords)} ranks); the local length times the Ulysses degree must be "
+                                 "even")
             masked = mask != full()
             layout = _layout.layout(ring_impl_type, seq_len, grid.ulysses_degree, grid.ring_degree, grid.coords) \
                 if masked else layout_mod.Layout("contiguous")
@@ -122,6 +128,7 @@ class LongContextAttention(_CPAttention):
         super().__init__(schedule)
         self.ring_pg = PROCESS_GROUP.RING_PG
         self.ulysses_pg = PROCESS_GROUP.ULYSSES_PG
+        self._recorded = PROCESS_GROUP.grid  # the groups' block, as set_seq_parallel_pg made it
         if self.ring_pg is None and self.ulysses_pg is None:
             raise RuntimeError("use set_seq_parallel_pg() first: PROCESS_GROUP has no Ulysses or ring group")
         _check_indices(scatter_idx, gather_idx, (2, 1))
@@ -136,7 +143,7 @@ class LongContextAttention(_CPAttention):
         self.attn_type, self.attn_processor = attn_type, attn_processor
 
     def _grid(self) -> Grid:
-        return _grid_of(self.ulysses_pg, self.ring_pg)
+        return _grid_of(self.ulysses_pg, self.ring_pg, self._recorded)
 
     def _default(self, grid: Grid, layout: layout_mod.Layout, masked: bool):
         if grid.ring_degree == 1:

@@ -29,12 +29,14 @@ class Singleton:
 @dataclass(frozen=True)
 class Grid:
     """A sequence-parallel block: its process group, its degrees, and each member's (ring rank, Ulysses rank),
-    members in the group's rank order (ascending global ranks)."""
+    members in the group's rank order (ascending global ranks); this rank's Ulysses and ring groups."""
 
     group: object
     ulysses_degree: int
     ring_degree: int
     coords: tuple[tuple[int, int], ...]
+    ulysses_group: object = None
+    ring_group: object = None
 
 
 class ProcessGroupSingleton(Singleton):
@@ -93,4 +95,4 @@ def set_seq_parallel_pg(sp_ulysses_degree, sp_ring_degree, rank, world_size, use
     coords = tuple(coordinates(p, sp_ulysses_degree, sp_ring_degree, bool(use_ulysses_low)) for p in range(sp))
     PROCESS_GROUP.ULYSSES_PG = made["ulysses"]
     PROCESS_GROUP.RING_PG = made["ring"]
-    PROCESS_GROUP.grid = Grid(made["block"], sp_ulysses_degree, sp_ring_degree, coords)
+    PROCESS_GROUP.grid = Grid(made["block"], sp_ulysses_degree, sp_ring_degree, coords, made["ulysses"], made["ring"])
