@@ -60,7 +60,7 @@ def llama(impl: str, dtype: torch.dtype = torch.float32):
 def sft(trainer: str, packing: bool, cp_size: int = 1, dp: int = 1, steps: int = RUN["steps"],
         batch: int = RUN["batch"], accumulation: int = RUN["accumulation"], examples_n: int = RUN["examples"],
         max_length: int = RUN["max_length"], seed: int = RUN["seed"], lr: float = RUN["lr"],
-        schedule: str = "zigzag_ring", dtype: str = "float32") -> dict:
+        schedule: str = "zigzag_ring", dtype: str = "float32", eval_examples: int = 14) -> dict:
     """Fine-tune the tiny Llama for ``steps`` optimizer steps with TRL's SFTTrainer.
 
     ``trainer="cpattn"``: ``context_parallel(SFTTrainer)`` on this world, ``ParallelismConfig(cp_size=cp_size,
@@ -69,7 +69,8 @@ def sft(trainer: str, packing: bool, cp_size: int = 1, dp: int = 1, steps: int =
     ``packing``: TRL's best-fit packing into rows of ``max_length`` tokens, batches padding-free (one row of
     documents with ``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx``); else
     right-padded rows with an ``attention_mask``. Returns the logged ``loss``, ``num_tokens``,
-    ``mean_token_accuracy`` and ``grad_norm`` of every step."""
+    ``mean_token_accuracy`` and ``grad_norm`` of every step, then ``eval_loss`` and
+    ``eval_mean_token_accuracy`` of ``evaluate()`` on ``eval_examples`` more examples."""
     from accelerate import ParallelismConfig
     from trl import SFTConfig, SFTTrainer
 
@@ -84,6 +85,7 @@ def sft(trainer: str, packing: bool, cp_size: int = 1, dp: int = 1, steps: int =
             if cpattn_run:
                 extra["parallelism_config"] = ParallelismConfig(dp_shard_size=dp, cp_size=cp_size)
             args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=rows,
+                             per_device_eval_batch_size=rows,
                              gradient_accumulation_steps=accumulation, learning_rate=lr, warmup_steps=2,
                              logging_steps=1, seed=seed, use_cpu=True, report_to="none", save_strategy="no",
                              disable_tqdm=True, dataloader_num_workers=0, bf16=False, gradient_checkpointing=False,
@@ -91,12 +93,15 @@ def sft(trainer: str, packing: bool, cp_size: int = 1, dp: int = 1, steps: int =
             cls = hf.context_parallel(SFTTrainer) if cpattn_run else SFTTrainer
             kw = dict(cp_schedule=schedule) if cpattn_run else {}
             run = cls(model=model, args=args, train_dataset=examples(examples_n, seed + 1),
-                      processing_class=tokenizer(), **kw)
+                      eval_dataset=examples(eval_examples, seed + 2), processing_class=tokenizer(), **kw)
             run.train()
             logs = [e for e in run.state.log_history if "loss" in e and "grad_norm" in e]
+            metrics = run.evaluate()
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    return {name: [e[name] for e in logs] for name in ("loss", "num_tokens", "mean_token_accuracy", "grad_norm")}
+    result = {name: [e[name] for e in logs] for name in ("loss", "num_tokens", "mean_token_accuracy", "grad_norm")}
+    result.update({name: metrics[name] for name in ("eval_loss", "eval_mean_token_accuracy")})
+    return result
 
 
 def trainer_with_parallelism_config(trainer: str, cp_size: int = 1, dp: int = 1, steps: int = 10,

@@ -106,6 +106,8 @@ class ContextParallelTrainer:
         self._contexts = BoundedCache(CONTEXTS_KEPT)
         self._step_cp: ContextParallel | None = None  # the ContextParallel of the batch being run
         self._step_tokens = 0  # the real tokens of the group's batch being run (TRL's num_tokens)
+        self._step_labelled = 0  # this rank's labelled tokens of the batch being run
+        self._own_step = self._reentered = False  # inside a subclass's prediction_step (prediction_step below)
         self._logged = False
 
     # ------------------------------------------------------------------ checks
@@ -195,6 +197,9 @@ class ContextParallelTrainer:
         sequence first, so a token whose successor lives on another rank keeps its label; padding tokens
         get no label; ``position_ids`` become the tokens' global positions (or their positions in their
         document for packed batches)."""
+        if self._own_step:  # a prediction_step of a subclass, already sharded by prediction_step below
+            self._reentered = True
+            return functools.partial(hf_common.use, self._step_cp), inputs
         tokens = inputs.get("input_ids", inputs.get("inputs_embeds"))
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
             raise ValueError("hf.Trainer: a batch needs input_ids [b, seq] or inputs_embeds [b, seq, hidden]")
@@ -228,6 +233,8 @@ class ContextParallelTrainer:
             if inputs.get(key) is not None:
                 inputs[key] = inputs[key].masked_fill(padding, hf_common.IGNORE_INDEX)
         inputs["position_ids"] = positions.to(tokens.device)
+        labelled = inputs.get("shift_labels", inputs.get("labels"))
+        self._step_labelled = int((labelled != hf_common.IGNORE_INDEX).sum()) if labelled is not None else 0
         if hasattr(getattr(self.model, "config", None), "use_cache"):
             inputs.setdefault("use_cache", False)  # no key/value cache of a whole sequence in training
         self._step_cp = cp
@@ -250,17 +257,28 @@ class ContextParallelTrainer:
         return_loss = inputs.get("return_loss")
         loss_without_labels = not self.label_names and (self.can_return_loss if return_loss is None else return_loss)
         own_step = type(self)._base_prediction_step() is not transformers.Trainer.prediction_step
+        local_mean = False  # whether the loss is the mean over this rank's labelled tokens
         if (has_labels or loss_without_labels) and own_step:  # e.g. TRL's: it calls compute_loss without the hook
             inputs = self._prepare_inputs(inputs)
             context, inputs = self._prepare_context_parallel_inputs(model, inputs)
-            with context():
-                loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            self._own_step, self._reentered = True, False
+            try:
+                with context():
+                    loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+            finally:
+                self._own_step = False
+            local_mean = not self._reentered  # the hook not called again: no num_items_in_batch either
         elif has_labels or loss_without_labels:  # the Trainer shards the batch through the hook above
             loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         else:  # the Trainer would call the model on the full batch, outside hf.use
             loss, logits, labels = self._predict_without_labels(model, inputs, prediction_loss_only, ignore_keys)
         cp = self._step_cp
-        if loss is not None and cp.world_size > 1:
+        if loss is not None and cp.world_size > 1 and local_mean:  # the group's mean: weighted by the counts
+            count = torch.tensor(float(self._step_labelled), dtype=loss.dtype, device=loss.device)
+            both = torch.stack([loss.detach().reshape(()) * count, count])
+            dist.all_reduce(both, group=cp.comm.group)
+            loss = both[0] / both[1].clamp(min=1)
+        elif loss is not None and cp.world_size > 1:
             dist.all_reduce(loss, group=cp.comm.group)
             loss = loss / cp.world_size
         if logits is not None:
@@ -273,15 +291,23 @@ class ContextParallelTrainer:
         return super().prediction_step
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The base trainer's loss. TRL's ``SFTTrainer`` counts the tokens of every rank's shard in its logged
+        """The base trainer's loss. TRL's ``SFTTrainer`` sums its metrics (token accuracy, entropy) over the
+        ranks with ``gather_for_metrics``, which at the end of a data loader with a partial last batch keeps
+        as many ranks' values as the batch has samples: here every rank's value is kept (the ranks of a group
+        hold parts of the same samples). It counts the tokens of every rank's shard in its logged
         ``num_tokens`` (the layout's padding included); they are counted here once per group's batch."""
         before = getattr(self, "_total_train_tokens", None)
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
+        accelerator = self.accelerator
+        if self.cp_size > 1:
+            accelerator.gather_for_metrics = lambda data, use_gather_object=False: accelerator.gather(data)
+        try:
+            result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                          num_items_in_batch=num_items_in_batch)
+        finally:
+            accelerator.__dict__.pop("gather_for_metrics", None)
         metrics = getattr(self, "_metrics", None)
         if before is not None and isinstance(metrics, dict) and "train" in metrics and self.model.training:
-            device = self.accelerator.device
-            count = self.accelerator.gather_for_metrics(torch.tensor(self._step_tokens, device=device)).sum().item()
+            count = accelerator.gather(torch.tensor(self._step_tokens, device=accelerator.device)).sum().item()
             self._total_train_tokens = before + count // self.cp_size
             metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return result
