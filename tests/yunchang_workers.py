@@ -169,7 +169,7 @@ def schedules_behind_the_hf_adapter(lengths: list[int], b: int, h: int, h_kv: in
             found["runs"].append({"request": request, "schedule": cp.schedule_name, "out": out, "dq": dq, "dk": dk,
                                   "dv": dv, "compat_bytes": moved[0], "object_bytes": moved[1]})
         mask = document(lengths, causal=True)
-        names = [name for name in cost.default_candidates(mask) if cost.estimable(name)
+        names = [name for name in cost.default_candidates(mask) if cost.declares_steps(name)
                  and (schedules.get(name).custom_layout or schedules.get(name).layout_for(mask) == "contiguous")]
         problem = cost.Problem(seq, world, mask, batch=b, heads=h, kv_heads=h_kv, head_dim=d, dtype="float32",
                                layout=Layout("contiguous"))
@@ -219,7 +219,7 @@ def layer_schedules(ud: int, rd: int, impl: str, layout: str, seq: int, h: int, 
         cp = cp[1] if isinstance(cp, tuple) else cp
         found["runs"].append({"schedule": cp.schedule_name, "out": out.detach(), "dq": qq.grad, "dk": kk.grad,
                               "dv": vv.grad})
-    names = [n for n in cost.default_candidates(causal()) if cost.estimable(n)
+    names = [n for n in cost.default_candidates(causal()) if cost.declares_steps(n)
              and (schedules.get(n).custom_layout or schedules.get(n).layout_for(causal()) == layout)]
     problem = cost.Problem(seq, world, causal(), batch=1, heads=h, kv_heads=h_kv, head_dim=d, dtype="float32",
                            layout=Layout(layout))

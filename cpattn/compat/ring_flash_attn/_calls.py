@@ -123,11 +123,12 @@ def schedule_for_layout(requested: str | Schedule, layout: layout_mod.Layout, ma
 
 
 def candidates(layout: layout_mod.Layout, mask: Mask, every: bool = False) -> list[str]:
-    """The schedules that run on ``layout`` as it is, in registry order: those the cost model can estimate
-    (``cpattn.cost.default_candidates`` of the mask), or ``every`` registered one."""
+    """The schedules that run on ``layout`` as it is, in registry order: ``"auto"``'s (those the cost model
+    estimates from their steps, ``cpattn.cost.default_candidates`` of the mask, leaving out the ones that plan:
+    a borrowed call's documents change every step, and a plan costs seconds), or ``every`` registered one."""
     names = schedules.names() if every else cost.default_candidates(mask)
     return [n for n in names if _runs_on(schedules.get(n), layout, mask) is not False
-            and (every or cost.estimable(n))]
+            and (every or cost.declares_steps(n))]
 
 
 def problem(layout: layout_mod.Layout, mask: Mask, seq_len: int, world: int, shape: tuple) -> cost.Problem:
