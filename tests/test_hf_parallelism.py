@@ -12,6 +12,8 @@ import types
 import pytest
 import torch
 
+import cpattn
+
 try:
     import transformers
     from accelerate import ParallelismConfig
@@ -107,3 +109,40 @@ def test_gpus_shard_over_dp_shard_times_cp(monkeypatch):
     assert not kept.cp_enabled and kept.cp_handler is None
     args = types.SimpleNamespace(use_cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=4))
     assert take_context_parallel(args, 4) == 4 and args.parallelism_config is None
+
+
+def in_order(t: torch.Tensor, cp) -> list[int]:
+    """The real tokens of a local ``[1, local_len]`` tensor, in sequence order."""
+    pos = cp.positions()
+    keep = pos >= 0
+    return t[0, keep][pos[keep].argsort()].tolist()
+
+
+def test_right_padded_rows_and_trl_packed_batches_become_documents(tmp_path):
+    """One process: right-padded rows (TRL's default collator) are packed into one row, each row a document
+    with its first label ignored; TRL's padding-free keys are checked and consumed; a cu_seq_lens_q that
+    disagrees with the positions raises."""
+    with accelerate_state():
+        trainer = make(tmp_path)
+        ids = torch.tensor([[3, 4, 5, 0, 0], [6, 7, 8, 9, 10]])
+        padded = {"input_ids": ids, "labels": ids.masked_fill(ids == 0, -100),
+                  "attention_mask": (ids != 0).long()}
+        _, batch = trainer._prepare_context_parallel_inputs(trainer.model, padded)
+        view = trainer._step_cp
+        assert view.mask == cpattn.masks.document([3, 5]) and "attention_mask" not in batch
+        assert in_order(batch["input_ids"], view) == [3, 4, 5, 6, 7, 8, 9, 10]
+        assert in_order(batch["position_ids"], view) == [0, 1, 2, 0, 1, 2, 3, 4]
+        assert in_order(batch["shift_labels"], view) == [4, 5, -100, 7, 8, 9, 10, -100]
+        assert trainer._step_tokens == 8
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        trl_batch = {"input_ids": ids[ids != 0][None], "labels": torch.tensor([[-100, 4, 5, -100, 7, 8, 9, 10]]),
+                     "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), "cu_seq_lens_q": cu,
+                     "cu_seq_lens_k": cu, "max_length_q": 5, "max_length_k": 5,
+                     "seq_idx": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.int32)}
+        _, batch = trainer._prepare_context_parallel_inputs(trainer.model, dict(trl_batch))
+        assert trainer._step_cp.mask == cpattn.masks.document([3, 5])
+        assert not {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"} & set(batch)
+        assert in_order(batch["shift_labels"], trainer._step_cp) == [4, 5, -100, 7, 8, 9, 10, -100]
+        with pytest.raises(ValueError, match="cu_seq_lens_k does not match the documents of position_ids"):
+            trainer._prepare_context_parallel_inputs(trainer.model, {**trl_batch,
+                                                                     "cu_seq_lens_k": torch.tensor([0, 4, 8])})
