@@ -61,9 +61,9 @@ def test_the_target_runs_as_main_with_its_arguments_and_exit_status(tmp_path, mo
 
 def _torchrun(nproc: int, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                             "-m", "cpattn.compat", "--as", "ring_flash_attn,yunchang", *args], cwd=HERE, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "cpattn.compat", "--as", "ring_flash_attn,yunchang", *args]
+    return subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def test_an_unmodified_script_runs_under_torchrun_with_its_exit_status_passed_through():
