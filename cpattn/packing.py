@@ -69,6 +69,6 @@ def documents_view(cp: ContextParallel, cu_seqlens, name: str = "cu_seqlens") ->
     if bounds[-1] > base.seq_len:
         raise ValueError(f"{name} covers {bounds[-1]} tokens, more than the ContextParallel's seq_len={base.seq_len}")
     fill = base.seq_len - bounds[-1]
-    documents = document(document_lengths(bounds) + ([fill] if fill else []), causal=base.mask.is_causal)
+    documents = document_mask(document_lengths(bounds) + ([fill] if fill else []), base.mask.is_causal)
     plain = base.mask.name in ("causal", "full")
     return base.with_mask(documents if plain else base.mask & documents)
