@@ -7,6 +7,7 @@ installs the ``hf`` extra): without them these tests fail, they never skip."""
 from __future__ import annotations
 
 import copy
+import logging
 import types
 
 import pytest
@@ -118,16 +119,19 @@ def in_order(t: torch.Tensor, cp) -> list[int]:
     return t[0, keep][pos[keep].argsort()].tolist()
 
 
-def test_right_padded_rows_and_trl_packed_batches_become_documents(tmp_path):
+def test_right_padded_rows_and_trl_packed_batches_become_documents(tmp_path, caplog):
     """One process: right-padded rows (TRL's default collator) are packed into one row, each row a document
-    with its first label ignored; TRL's padding-free keys are checked and consumed; a cu_seq_lens_q that
-    disagrees with the positions raises."""
-    with accelerate_state():
+    with its first label ignored; TRL's padding-free keys are checked and consumed; a cu_seq_lens_k that
+    disagrees with the positions raises. The first step logs one line naming the schedule and the mask."""
+    with accelerate_state(), caplog.at_level(logging.INFO, logger="cpattn.integrations.hf_trainer"):
         trainer = make(tmp_path)
         ids = torch.tensor([[3, 4, 5, 0, 0], [6, 7, 8, 9, 10]])
         padded = {"input_ids": ids, "labels": ids.masked_fill(ids == 0, -100),
                   "attention_mask": (ids != 0).long()}
         _, batch = trainer._prepare_context_parallel_inputs(trainer.model, padded)
+        lines = [r.getMessage() for r in caplog.records if r.name == "cpattn.integrations.hf_trainer"]
+        assert lines == ["cpattn context parallelism: 1 data-parallel group(s) of 1 ranks, schedule zigzag_ring, "
+                         "mask causal (this step: document)"], lines
         view = trainer._step_cp
         assert view.mask == cpattn.masks.document([3, 5]) and "attention_mask" not in batch
         assert in_order(batch["input_ids"], view) == [3, 4, 5, 6, 7, 8, 9, 10]
