@@ -8,6 +8,7 @@ import inspect
 
 import pytest
 import torch
+from test_compat_ring_flash_attn import _allowed, _relative
 
 import cpattn.compat
 
@@ -88,23 +89,6 @@ def _reference(q, k, v, dout, allowed: torch.Tensor, softcap: float, dtype: torc
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _allowed(seq: int, causal: bool, window_size) -> torch.Tensor:
-    pos = torch.arange(seq)
-    left, right = window_size
-    right = 0 if causal else right
-    allowed = torch.ones(seq, seq, dtype=torch.bool)
-    if left >= 0:
-        allowed &= pos[None, :] >= pos[:, None] - left
-    if right >= 0:
-        allowed &= pos[None, :] <= pos[:, None] + right
-    return allowed
-
-
-def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(x).all()
-    return float((x.double() - ref).norm() / ref.norm())
-
-
 def _cases(world: int) -> list[dict]:
     pairs = [(1, 2), (2, 1)] if world == 2 else [(2, 2), (1, 4), (4, 1)]
     seq = 16 * world
@@ -139,7 +123,7 @@ def _run_exactness(worlds, world: int) -> None:
     for i, c in enumerate(cases):
         results = [r[i] for r in report]
         q, k, v, dout = w.inputs(c["seed"], (c["b"], c["seq"], c["h"], c["d"]), (c["b"], c["seq"], c["h_kv"], c["d"]))
-        allowed = _allowed(c["seq"], c["causal"], c.get("window_size", (-1, -1)))
+        allowed = _allowed(c["seq"], None, c["causal"], c.get("window_size", (-1, -1)))
         ref = _reference(q, k, v, dout, allowed, c.get("softcap", 0.0), torch.float64)
         single = _reference(q, k, v, dout, allowed, c.get("softcap", 0.0), torch.float32)
         idx = torch.cat([r["idx"] for r in results])

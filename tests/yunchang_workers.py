@@ -12,6 +12,7 @@ import cpattn.compat
 
 cpattn.compat.install("yunchang")
 
+from compat_workers import _traffic_matches  # noqa: E402
 from yunchang import (  # noqa: E402
     EXTRACT_FUNC_DICT,
     LongContextAttention,
@@ -53,20 +54,6 @@ def token_index(impl: str, seq: int, ud: int, rd: int, ring_rank: int, ulysses_r
     else:
         span = tokens[ring_rank::rd]
     return span.chunk(ud)[ulysses_rank]
-
-
-def _traffic_matches(cp, q_local, k_local, run) -> bool:
-    cp.reset_comm_stats()
-    run()
-    expected: dict[str, dict[str, int]] = {}
-    for phase in cp.expected_volume(q_local, k_local).values():
-        for op, counts in phase.items():
-            acc = expected.setdefault(op, {"calls": 0, "bytes_sent": 0, "bytes_recv": 0})
-            for key in acc:
-                acc[key] += counts[key]
-    got = {op: {k: v[k] for k in ("calls", "bytes_sent", "bytes_recv")} for op, v in cp.comm_stats().items()
-           if op not in ("total", "levels")}
-    return got == expected and sum(v["bytes_sent"] for v in got.values()) > 0
 
 
 def long_context_cases(cases: list[dict]) -> list[dict]:
