@@ -70,14 +70,14 @@ class ContextParallelTrainer:
     the ``world / cp_size`` groups are the data-parallel replicas. Left out, it is the ``cp_size`` of
     ``args.parallelism_config`` (or of accelerate's ``PARALLELISM_CONFIG_*`` environment variables), else 1;
     given both, they must agree. That configuration loses its ``cp_size`` before the ``Accelerator`` is built
-    (:func:`take_context_parallel`). ``cp_schedule``: a schedule name,
-    ``"auto"`` or a :class:`cpattn.schedules.Schedule`. ``cp_mask``: the attention mask of every
-    sequence (``"causal"``, ``"full"`` or a :class:`cpattn.masks.Mask`); packed batches
-    (``DataCollatorWithFlattening``: ``position_ids`` restarting at 0 in each document) run on the step's
-    document view of it (:func:`cpattn.integrations.hf.packed`), and so do TRL's ``padding_free`` batches
-    (their ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx`` are checked and consumed); right-padded
-    rows (a 0/1 ``attention_mask``) are packed by the step: their real tokens in one row, each row a
-    document. Every other argument is the Trainer's.
+    (:func:`take_context_parallel`). ``cp_schedule``: a schedule name, ``"auto"`` or a
+    :class:`cpattn.schedules.Schedule`. ``cp_mask``: the attention mask of every sequence (``"causal"``,
+    ``"full"`` or a :class:`cpattn.masks.Mask`). Packed batches (``DataCollatorWithFlattening``:
+    ``position_ids`` restarting at 0 in each document) run on the step's document view of it
+    (:func:`cpattn.integrations.hf.packed`), and so do TRL's ``padding_free`` batches (their
+    ``cu_seq_lens_q/k``, ``max_length_q/k`` and ``seq_idx`` are checked and consumed); right-padded rows (a
+    0/1 ``attention_mask``) are packed by the step: their real tokens in one row, each row a document.
+    Every other argument is the Trainer's.
 
     The model must be built with ``attn_implementation="cpattn"`` (after ``hf.register()``) and take
     the loss keyword arguments (``num_items_in_batch``, as transformers' models do). What would make a
