@@ -1,7 +1,8 @@
 """The end of a training script, run by tests/test_clean_exit.py on two processes with the torchrun
 environment set (gloo on the CPU): one causal ``zigzag_ring`` forward and backward and an ``unshard``,
-with the ``ContextParallel``, its outputs and their autograd graph left in globals, as scripts leave
-them, and the group left to cpattn's exit hook.
+then the same through ``zigzag_ring_attn_func`` and ring-flash-attn's and yunchang's stand-ins (yunchang's
+groups made by ``set_seq_parallel_pg``), with the ``ContextParallel``, the layer, the outputs and their
+autograd graphs left in globals, as scripts leave them, and the groups left to cpattn's exit hook.
 
 A process group must end in that hook, while the interpreter is whole: a group that something still
 holds lives on into interpreter teardown, where its gloo worker threads can abort the process
@@ -32,6 +33,7 @@ def _report() -> None:
 atexit.register(_report)  # before init: runs after cpattn's hook
 
 import cpattn  # noqa: E402
+import cpattn.compat  # noqa: E402
 import cpattn.distributed  # noqa: E402
 
 RANK, WORLD, _, _ = cpattn.distributed.init()
@@ -43,4 +45,16 @@ q, k, v = (cp.shard(t, dim=1).requires_grad_() for t in (q_full, k_full, v_full)
 out = cp.attention(q, k, v)
 out.backward(cp.shard(dout_full, dim=1))
 out_full = cp.unshard(out, dim=1)
+# the other ways in keep groups too: the functional entry points, ring-flash-attn's and yunchang's stand-ins
+cpattn.compat.install("ring_flash_attn")
+cpattn.compat.install("yunchang")
+from ring_flash_attn import zigzag_ring_flash_attn_func  # noqa: E402
+from yunchang import LongContextAttention, set_seq_parallel_pg  # noqa: E402
+
+out_func = cpattn.zigzag_ring_attn_func(q, k, v, causal=True)
+out_rfa = zigzag_ring_flash_attn_func(q, k, v, causal=True)
+set_seq_parallel_pg(1, WORLD, RANK, WORLD)
+layer = LongContextAttention()
+out_yc = layer(q, k, v, causal=True)
+(out_func.sum() + out_rfa.sum() + out_yc.sum()).backward()
 print(f"rank {RANK}: attention done, gloo threads running: {_gloo_threads()}", file=sys.stderr, flush=True)

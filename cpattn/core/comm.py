@@ -124,15 +124,39 @@ _HIERARCHY: dict[tuple[tuple[int, ...], int, int], tuple[weakref.ref, weakref.re
 
 
 def _held(ref: weakref.ref | None) -> dist.ProcessGroup | None:
-    """The process group behind a communicator's weak reference (None for none); a group destroyed since
+    """The process group behind a weak reference (None for none); a group destroyed since
     (``destroy_process_group``) is a RuntimeError rather than a call into a dead backend."""
     if ref is None:
         return None
     group = ref()
     if group is None:
-        raise RuntimeError("the process group of this ContextParallel was destroyed (destroy_process_group, or "
-                           "cpattn.distributed.shutdown at exit): build a new ContextParallel on a live group")
+        raise RuntimeError("this process group was destroyed (destroy_process_group, or cpattn.distributed.shutdown "
+                           "at exit): build the ContextParallel, layer or trainer again on a live group")
     return group
+
+
+class HeldGroup:
+    """A process-group attribute held weakly: assign a group (or None); reading it gives the group, None, or a
+    RuntimeError once the group was destroyed.
+
+    torch.distributed's registry owns every group it made, so ``destroy_process_group()`` (cpattn.distributed's
+    exit hook included) really ends them and joins gloo's worker threads while the interpreter is whole. An
+    object a script keeps in a global (a ContextParallel, a layer, a trainer) that held its group strongly
+    kept a destroyed group alive into interpreter teardown, where a gloo worker thread releasing a finished
+    call's tensors found the interpreter finalizing and the process aborted ("terminate called without an
+    active exception") after a run that had succeeded. Every cpattn object that keeps a group keeps it here."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = f"_{name}_held"
+
+    def __get__(self, obj: object, objtype: type | None = None):
+        if obj is None:
+            return self
+        return _held(obj.__dict__.get(self._slot))
+
+    def __set__(self, obj: object, group: dist.ProcessGroup | None) -> None:
+        obj.__dict__[self._slot] = None if group is None else weakref.ref(group)
+
 
 
 #: names of the two levels of a hierarchical collective, rail first (``Communicator.level_stats``)
@@ -199,9 +223,10 @@ class Communicator:
             self.backends: dict[str, str] = {}  # device type -> backend name
             self._stager: Stager | None = None
         else:
-            self.group = group if group is not None else dist.group.WORLD
-            if self.group == dist.GroupMember.NON_GROUP_MEMBER:
+            group = group if group is not None else dist.group.WORLD
+            if group == dist.GroupMember.NON_GROUP_MEMBER:
                 raise ValueError("this process is not a member of the given group")
+            self.group = group
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
             self._global_ranks = dist.get_process_group_ranks(self.group)
@@ -213,20 +238,8 @@ class Communicator:
         self._chooser: Callable[[str, int], str] | None = None
         self._algorithms: dict[tuple[str, int], str] = {}  # (op, bytes) -> the algorithm wire_sent counts
 
-    # Process groups are held weakly: torch.distributed's registry owns them, so destroy_process_group()
-    # (cpattn.distributed's exit hook included) ends them and joins gloo's worker threads while the
-    # interpreter is whole. Held strongly by a ContextParallel that a script keeps in a global, a destroyed
-    # group lived on into interpreter teardown, where a gloo worker thread releasing a finished call's
-    # tensors found the interpreter finalizing and the process aborted ("terminate called without an
-    # active exception") after a run that had succeeded.
-    @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The process group (None without torch.distributed); RuntimeError once it was destroyed."""
-        return _held(self._group_ref)
-
-    @group.setter
-    def group(self, group: dist.ProcessGroup | None) -> None:
-        self._group_ref = None if group is None else weakref.ref(group)
+    #: the process group (None without torch.distributed), held weakly (:class:`HeldGroup`)
+    group = HeldGroup()
 
     @property
     def _levels(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup] | None:

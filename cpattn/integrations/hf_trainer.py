@@ -47,6 +47,7 @@ from accelerate.utils import recursively_apply
 
 from ..api import ContextParallel
 from ..core import masks as masks_mod
+from ..core.comm import HeldGroup
 from ..core.memo import BoundedCache
 from ..schedules import Schedule
 from ..schedules import resolve as resolve_schedule
@@ -85,6 +86,10 @@ class ContextParallelTrainer:
     (label smoothing, ``compute_loss_func``, ``ParallelismConfig``'s tensor or sequence parallelism), or when
     a data loader is built (batches dispatched from the main process).
     """
+
+    #: this rank's context-parallel group (None: the whole world), held weakly (HeldGroup)
+    _cp_group = HeldGroup()
+
 
     def __init__(self, *args, cp_size: int | None = None, cp_schedule: str | Schedule = "zigzag_ring",
                  cp_mask: masks_mod.Mask | str = "causal", **kwargs) -> None:

@@ -45,7 +45,8 @@ _BY_TENSOR = BoundedCache(OBJECTS_KEPT)  # by a cu_seqlens tensor's identity and
 #: the last OBJECTS_KEPT records of llama3_flash_attn_prepare_cu_seqlens, by the identity of the cu_seqlens_q it
 #: returned (the record holds that tensor, so its id is not reused while the record is kept)
 _PREPARED: OrderedDict[int, Prepared] = OrderedDict()
-_GROUPS = BoundedCache(OBJECTS_KEPT)  # by a process group's identity: (rank, global ranks of its members)
+#: a process group -> (rank, global ranks of its members); weak keys: torch.distributed owns the groups
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def refuse_unsupported(dropout_p, alibi_slopes, deterministic, device: torch.device) -> None:
@@ -67,8 +68,10 @@ def members(group) -> tuple[int, tuple[int, ...]]:
             raise ValueError("group was given but torch.distributed is not initialised")
         return 0, (0,)
     group = dist.group.WORLD if group is None else group
-    return _GROUPS.get_for(group, ("group", id(group)),
-                           lambda: (dist.get_rank(group), tuple(dist.get_process_group_ranks(group))))
+    found = _GROUPS.get(group)
+    if found is None:
+        found = _GROUPS[group] = (dist.get_rank(group), tuple(dist.get_process_group_ranks(group)))
+    return found
 
 
 def _version(t: torch.Tensor) -> int | None:

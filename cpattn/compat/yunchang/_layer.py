@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ...core import layout as layout_mod
+from ...core.comm import HeldGroup
 from ...core.masks import full
 from ...core.memo import BoundedCache
 from ...functional import _window_mask
@@ -122,6 +123,9 @@ class LongContextAttention(_CPAttention):
     basic, zigzag or strip) -> ``out [b, s_local, h, d]``. Exact, differentiable. ``schedule``: cpattn's
     extension (see the module doc)."""
 
+    ring_pg = HeldGroup()  # this rank's groups, held weakly: torch.distributed owns them
+    ulysses_pg = HeldGroup()
+
     def __init__(self, scatter_idx: int = 2, gather_idx: int = 1, ring_impl_type: str = "basic",
                  use_pack_qkv: bool = False, use_sync: bool = False, attn_type: AttnType = AttnType.FA,
                  attn_processor: torch.nn.Module = None, schedule=None) -> None:
@@ -184,6 +188,8 @@ class UlyssesAttention(_CPAttention):
     """yunchang's Ulysses attention over ``sequence_process_group`` (None: the default group): this rank's
     contiguous ``[b, s_local, h, d]`` slice in, ``out`` of the same shape back, by cpattn's ``ulysses``
     schedule. ``schedule``: cpattn's extension (see the module doc)."""
+
+    spg = HeldGroup()  # held weakly: torch.distributed owns it
 
     def __init__(self, sequence_process_group: dist.ProcessGroup = None, scatter_idx: int = 2, gather_idx: int = 1,
                  use_sync: bool = False, attn_type: AttnType = AttnType.FA, schedule=None) -> None:

@@ -10,9 +10,9 @@ member's (ring rank, Ulysses rank), which decide the tokens each rank holds (``d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch.distributed as dist
+
+from ...core.comm import HeldGroup
 
 
 class Singleton:
@@ -26,21 +26,26 @@ class Singleton:
         return cls._instance
 
 
-@dataclass(frozen=True)
 class Grid:
     """A sequence-parallel block: its process group, its degrees, and each member's (ring rank, Ulysses rank),
-    members in the group's rank order (ascending global ranks); this rank's Ulysses and ring groups."""
+    members in the group's rank order (ascending global ranks); this rank's Ulysses and ring groups. The
+    groups are held weakly (:class:`cpattn.core.comm.HeldGroup`): torch.distributed owns them."""
 
-    group: object
-    ulysses_degree: int
-    ring_degree: int
-    coords: tuple[tuple[int, int], ...]
-    ulysses_group: object = None
-    ring_group: object = None
+    group = HeldGroup()
+    ulysses_group = HeldGroup()
+    ring_group = HeldGroup()
+
+    def __init__(self, group, ulysses_degree: int, ring_degree: int, coords: tuple[tuple[int, int], ...],
+                 ulysses_group=None, ring_group=None) -> None:
+        self.group, self.ulysses_group, self.ring_group = group, ulysses_group, ring_group
+        self.ulysses_degree, self.ring_degree, self.coords = ulysses_degree, ring_degree, coords
 
 
 class ProcessGroupSingleton(Singleton):
-    """``ULYSSES_PG`` and ``RING_PG`` of this rank (None until :func:`set_seq_parallel_pg`)."""
+    """``ULYSSES_PG`` and ``RING_PG`` of this rank (None until :func:`set_seq_parallel_pg`), held weakly."""
+
+    ULYSSES_PG = HeldGroup()
+    RING_PG = HeldGroup()
 
     def __init__(self):
         self.ULYSSES_PG = None

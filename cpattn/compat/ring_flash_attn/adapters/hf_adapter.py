@@ -25,6 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ....core.comm import HeldGroup
 from .. import _calls
 from ..llama3_flash_attn_varlen import llama3_flash_attn_prepare_cu_seqlens
 
@@ -139,7 +140,17 @@ def _local_forward(query_states, key_states, value_states, attention_mask, query
     return out.reshape(batch, seq, *out.shape[2:])
 
 
-def _ring_forward(process_group, heads_k_stride: int, schedule, query_states, key_states, value_states,
+class _GroupOf:
+    """The process group of a replacement, held weakly (:class:`cpattn.core.comm.HeldGroup`): transformers keeps
+    the replacement for the life of the process, and the group must end when it is destroyed."""
+
+    group = HeldGroup()
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+
+def _ring_forward(held: _GroupOf, heads_k_stride: int, schedule, query_states, key_states, value_states,
                   query_length: int, is_causal: bool, dropout: float, softmax_scale, sliding_window,
                   use_top_left_mask: bool, softcap, deterministic, sinks=None):
     """The context-parallel attention every signature below runs: ``[b, s_local, h, d]`` in and out, every
@@ -157,7 +168,7 @@ def _ring_forward(process_group, heads_k_stride: int, schedule, query_states, ke
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     cp = _calls.llama3_object(query_states, key_states, DATA_PARAMS["cu_seqlens_q"], DATA_PARAMS["cu_seqlens_k"],
                               DATA_PARAMS["max_seqlen_q"], DATA_PARAMS["max_seqlen_k"], heads_k_stride,
-                              DATA_PARAMS["local_k_slice"], causal, window, process_group, schedule)
+                              DATA_PARAMS["local_k_slice"], causal, window, held.group, schedule)
     return cp.attention(query_states, key_states, value_states, softmax_scale=softmax_scale, softcap=softcap,
                         sinks=sinks)
 
@@ -167,7 +178,7 @@ def create_ring_flash_attention_forward(process_group: dist.ProcessGroup, heads_
     """Replacements for ``_flash_attention_forward``, one per transformers signature (before 4.47, 4.47,
     4.48 to 4.52, 4.53 to 4.57, 5.x), each running cpattn on ``process_group``; ``schedule`` as
     :func:`substitute_hf_flash_attn` takes it."""
-    run = functools.partial(_ring_forward, process_group, heads_k_stride, schedule)
+    run = functools.partial(_ring_forward, _GroupOf(process_group), heads_k_stride, schedule)
 
     def _flash_attention_forward(query_states, key_states, value_states, attention_mask, query_length, is_causal,
                                  dropout=0.0, position_ids=None, softmax_scale=None, sliding_window=None,
