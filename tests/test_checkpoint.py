@@ -193,6 +193,7 @@ def test_a_non_finite_loss_stops_the_run_and_nothing_non_finite_is_saved(worlds,
     assert tensors and all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+@pytest.mark.slow  # a world lost and restarted
 def test_a_worker_lost_inside_a_save_ends_in_one_line_and_resume_completes(worlds, uninterrupted, tmp_path,
                                                                             capsys, monkeypatch):
     root = tmp_path / "ck"
@@ -234,6 +235,7 @@ def _gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+@pytest.mark.slow  # a torchrun world and two training runs; make test keeps the in-world save and resume cases
 def test_sigterm_under_torchrun_saves_every_rank_and_resume_continues(worlds, tmp_path):
     root, status = tmp_path / "ck", tmp_path / "status"
     args = ["--model", "llama", "--config", "tiny", "--dp", "1", "--cp", "2", "--schedule", "zigzag_ring", "--seq",
@@ -256,6 +258,7 @@ def test_sigterm_under_torchrun_saves_every_rank_and_resume_continues(worlds, tm
     assert resumed["first_step"] == step + 1 and resumed["losses"] == reference["losses"]
 
 
+@pytest.mark.slow  # starts and kills its own launcher
 def test_workers_exit_when_their_launcher_is_killed(tmp_path):
     status = tmp_path / "status"
     cmd = [sys.executable, "-m", "cpattn.cli", "train", "--nproc", "2", "--cp", "2", "--seq", "64",

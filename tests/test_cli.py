@@ -79,7 +79,7 @@ SHRINK = {
     "bench": ({"--world": lambda v: "2", "--seq": lambda v: "256", "--mask": _last_mask, "--layout": _last,
                "--iters": lambda v: "1", "--warmup": lambda v: "0"},
               {"--seq": "256", "--heads": "2", "--kv-heads": "1", "--head-dim": "16", "--iters": "1",
-               "--warmup": "0", "--schedules": "ring,zigzag_ring"}),
+               "--warmup": "0", "--schedules": "ring,zigzag_ring", "--repeats": "2"}),
     "verify": ({"--world": lambda v: "2", "--schedules": _first},
                {"--world": "2", "--schedules": "ring", "--masks": "causal", "--dtypes": "float32",
                 "--no-subgroup": None}),

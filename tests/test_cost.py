@@ -288,6 +288,7 @@ def _assert_closed_form(sched: Schedule, problem: Problem) -> None:
     assert schedules.get(sched.name).pairs(same) is not work, sched.name
 
 
+@pytest.mark.slow  # estimates at thousands of ranks
 def test_thousands_of_ranks_estimate_from_closed_forms():
     for mask_name in ("causal", "full"):
         problem = Problem(1 << 20, 4096, mask_name)
@@ -518,6 +519,7 @@ def test_default_profile_location_is_configurable(tmp_path, monkeypatch):
     assert profile.default_path() == tmp_path / "cpattn" / "profile.json"
 
 
+@pytest.mark.slow  # runs the calibration
 def test_calibration_smoke(tmp_path):
     """A tiny calibration on a real 2-rank gloo world gives a valid, usable profile."""
     prof = machine_profile.calibrate(machine_profile.QUICK)

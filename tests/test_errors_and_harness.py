@@ -52,6 +52,7 @@ def test_world_survives_an_exception(worlds):
     assert w.run(worker_fns.raise_on, timeout=30, rank=5) == [0, 1]
 
 
+@pytest.mark.slow  # waits out a case timeout on its own world
 def test_a_hung_case_times_out_with_its_name():
     with LocalWorld(2, stop_grace=0.5) as w:
         t0 = time.monotonic()

@@ -171,6 +171,7 @@ def test_a_rank_that_dies_mid_call_ends_the_world_naming_it():
         world.close()
 
 
+@pytest.mark.slow  # waits out a timeout on its own world
 def test_the_process_group_timeout_bounds_a_blocked_collective():
     """With pg_timeout=2 a rank whose peer never joins an all-reduce fails in about 2 s (gloo's own
     default would wait 30 minutes); a dead rank then ends the world within stop_grace."""
@@ -215,6 +216,7 @@ def _check_exact(output: str) -> None:
         assert finite and err <= 2 * e_local + 1e-6, output
 
 
+@pytest.mark.slow  # a torchrun world; make test keeps the local world case
 def test_torchrun_a_rank_that_dies_mid_call_ends_the_run_naming_it():
     """Under torchrun (cpattn.distributed.init, gloo): an exact first call, then rank 1 exits in the
     middle of the second; the run ends with a nonzero status within seconds, and torchrun's report

@@ -221,6 +221,7 @@ def test_local_errors_builds_its_masks_where_the_given_mask_is(monkeypatch):
     assert {t.device.type for t in got.values()} == {"meta"}
 
 
+@pytest.mark.slow  # compiles a model
 def test_steady_counts_graph_and_compile_on_the_cpu():
     res = gpu_check.steady(CPU, time.time() + 60, reps=1)
     assert [c["mask"]["kind"] for c in res["cases"]] == ["causal", "document", "sliding_window"]

@@ -87,6 +87,7 @@ def test_packed_documents_loss_parity(worlds, references):
     _assert_same_run(got, references["documents"], "documents cp2")
 
 
+@pytest.mark.slow  # three training runs; test_checkpoint keeps resume in make test
 def test_resume_gives_the_uninterrupted_losses(worlds, tmp_path):
     whole = _run(worlds, _base("llama", dp=1, cp=2, schedule="zigzag_ring"), return_params=False)
     ckpt = str(tmp_path / "ckpt")
