@@ -158,7 +158,6 @@ class HeldGroup:
         obj.__dict__[self._slot] = None if group is None else weakref.ref(group)
 
 
-
 #: names of the two levels of a hierarchical collective, rail first (``Communicator.level_stats``)
 LEVELS = ("inter_node", "intra_node")
 
