@@ -35,18 +35,13 @@ def _functional(schedule_name: str):
 
     def attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                   alibi_slopes=None, deterministic=False, return_attn_probs=False, group=None):
-        if dropout_p:
-            raise NotImplementedError(f"{name}: dropout_p={dropout_p}: dropout is not supported; pass 0.0")
-        if alibi_slopes is not None:
-            raise NotImplementedError(f"{name}: alibi_slopes is not supported; pass None")
+        refuse_dropout_and_alibi(dropout_p, alibi_slopes, f"{name}: ")
         try:
             mask = _window_mask(bool(causal), window_size)
         except (ValueError, NotImplementedError) as exc:
             raise type(exc)(f"{name}: {exc}") from None
         _check_tensors(name, q, k, v)
-        if deterministic and q.device.type != "cpu":
-            raise NotImplementedError(f"{name}: deterministic=True is guaranteed on the CPU only, not on "
-                                      f"{q.device.type}: the GPU kernels' backward may accumulate in any order")
+        refuse_nondeterministic_device(deterministic, q.device, f"{name}: ")
         # while torch.compile traces the call (which cannot trace a ContextVar) errors name ContextParallel
         naming = agree.entry_point(name) if not torch.compiler.is_compiling() else contextlib.nullcontext()
         with naming:
@@ -74,6 +69,22 @@ def _functional(schedule_name: str):
                          f"``deterministic=True``: bitwise-reproducible results, guaranteed on the CPU "
                          f"(NotImplementedError on other devices).")
     return attn_func
+
+
+def refuse_dropout_and_alibi(dropout_p, alibi_slopes, prefix: str = "") -> None:
+    """flash-attn's arguments cpattn refuses rather than ignores: dropout > 0 and ALiBi slopes (``prefix``
+    opens the message, e.g. the entry point's name)."""
+    if dropout_p:
+        raise NotImplementedError(f"{prefix}dropout_p={dropout_p}: dropout is not supported; pass 0.0")
+    if alibi_slopes is not None:
+        raise NotImplementedError(f"{prefix}alibi_slopes is not supported; pass None")
+
+
+def refuse_nondeterministic_device(deterministic, device: torch.device, prefix: str = "") -> None:
+    """``deterministic=True`` is guaranteed on the CPU only."""
+    if deterministic and device.type != "cpu":
+        raise NotImplementedError(f"{prefix}deterministic=True is guaranteed on the CPU only, not on {device.type}: "
+                                  "the GPU kernels' backward may accumulate in any order")
 
 
 _LAYOUT_HINT = ("pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (out comes back as [batch, seq, "

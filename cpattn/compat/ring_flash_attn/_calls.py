@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 from ... import agree, cost, schedules
-from ...api import ContextParallel
+from ...api import ContextParallel, _exchange_device
 from ...core import layout as layout_mod
 from ...core.comm import Communicator
 from ...core.masks import Mask
 from ...core.memo import BoundedCache
+from ...functional import refuse_dropout_and_alibi, refuse_nondeterministic_device
 from ...packing import document_lengths as _lengths
 from ...packing import document_mask, read_bounds
 from ...packing import show_bounds as _show
@@ -51,13 +52,8 @@ _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def refuse_unsupported(dropout_p, alibi_slopes, deterministic, device: torch.device) -> None:
     """The arguments ring-flash-attn takes that cpattn refuses, as ``cpattn.functional`` refuses them."""
-    if dropout_p:
-        raise NotImplementedError(f"dropout_p={dropout_p}: dropout is not supported; pass 0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes is not supported; pass None")
-    if deterministic and device.type != "cpu":
-        raise NotImplementedError(f"deterministic=True is guaranteed on the CPU only, not on {device.type}: the "
-                                  "GPU kernels' backward may accumulate in any order")
+    refuse_dropout_and_alibi(dropout_p, alibi_slopes)
+    refuse_nondeterministic_device(deterministic, device)
 
 
 def members(group) -> tuple[int, tuple[int, ...]]:
@@ -202,15 +198,13 @@ def context_parallel(what: str, group, settings, schedule: str | Schedule | None
             given = layout_mod.Layout(layout) if isinstance(layout, str) else layout
             schedule_, layout = schedule_for_layout(schedule, given, mask, seq_len, len(ranks), shape)
         key = (schedule_, ranks, seq_len, mask, layout)
-    except (ValueError, TypeError, NotImplementedError) as exc:
+    except Exception as exc:  # reaches every rank (agree), or the others would wait
         error = exc
     if key is not None and key in _OBJECTS:
         return _OBJECTS.get(key, None)
     if len(ranks) > 1:
         comm = Communicator(group, record=False)
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if "nccl" in comm.backends.values() and torch.cuda.is_available() else torch.device("cpu")
-        agree.agree(comm, what, {}, error, device)
+        agree.agree(comm, what, {}, error, _exchange_device(comm))
     elif error is not None:
         raise error
     return _OBJECTS.get(key, lambda: _made(ContextParallel(seq_len, mask=mask, schedule=schedule_, group=group,
@@ -222,18 +216,14 @@ def per_document_layout(local_bounds: tuple[int, ...], world: int, zigzag: bool)
     """The explicit layout of documents split over ``world`` ranks as ring-flash-attn's varlen functions
     split them: each local document is 1/world of its global one (contiguous pieces, or zigzag chunks r and
     2P-1-r), at global offset ``world`` times its local one."""
+    rule = layout_mod.Layout("zigzag" if zigzag else "contiguous")  # of one document, at its offset
     ranks: list[list[tuple[int, int]]] = [[] for _ in range(world)]
     for a, b in zip(local_bounds, local_bounds[1:]):
         n, start = b - a, world * a
         if n == 0:
             continue
         for r in range(world):
-            if zigzag:
-                half = n // 2
-                ranks[r] += [(start + r * half, start + (r + 1) * half),
-                             (start + (2 * world - 1 - r) * half, start + (2 * world - r) * half)]
-            else:
-                ranks[r].append((start + r * n, start + (r + 1) * n))
+            ranks[r] += [(start + lo, start + hi) for lo, hi in rule.ranges(world * n, world, r)]
     return layout_mod.Layout.explicit(ranks, name="ring_flash_attn zigzag varlen" if zigzag
                                       else "ring_flash_attn ring varlen")
 
@@ -257,8 +247,8 @@ def varlen_object(q: torch.Tensor, cu_seqlens, group, zigzag: bool, is_causal: b
         if bounds[-1] != q.shape[0]:
             raise ValueError(f"cu_seqlens ends at {bounds[-1]} but q holds {q.shape[0]} tokens (dim 0): the local "
                              "cu_seqlens must sum to the local tensor's length")
-        if zigzag and any((b - a) % 2 for a, b in zip(bounds, bounds[1:])):
-            odd = next(i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if (b - a) % 2)
+        odd = next((i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if (b - a) % 2), None) if zigzag else None
+        if odd is not None:
             raise ValueError(f"cu_seqlens: document {odd} has {bounds[odd + 1] - bounds[odd]} local tokens; the "
                              f"zigzag layout holds two equal chunks of every document per rank, so every local "
                              "document length must be even")
@@ -413,7 +403,7 @@ def llama3_object(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_k, 
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     try:
         record = _check_prepared(*checked)
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # raised on every rank through context_parallel's agreement
         failed = exc
 
         def settings():

@@ -33,11 +33,6 @@ from .kernels import AttnType
 KEPT = 8
 #: yunchang's other kernels of the basic (contiguous) ring: the same tokens per rank, cpattn's kernels
 BASIC_KERNELS = ("basic_pytorch", "basic_flashinfer", "basic_npu")
-_USP: dict[int, USP] = {}  # one schedule object per Ulysses degree, so objects made with it are found again
-
-
-def _usp(degree: int) -> USP:
-    return _USP.setdefault(degree, USP(ulysses_degree=degree))
 
 
 def _check_indices(scatter_idx, gather_idx, expected: tuple[int, int]) -> None:
@@ -154,7 +149,7 @@ class LongContextAttention(_CPAttention):
             return "ulysses", None
         if layout.name == "striped":
             return "stripe_ring", None
-        return _usp(grid.ulysses_degree), layout
+        return USP(ulysses_degree=grid.ulysses_degree), layout
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p=0.0,
                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,

@@ -114,6 +114,16 @@ def _local_documents(batch: int, seq: int, attention_mask, position_ids, cu_seq_
     return [seq] * batch, []
 
 
+def _causal_and_window(is_causal: bool, use_top_left_mask: bool, query_length: int,
+                       sliding_window: int | None) -> tuple[bool, tuple[int, int]]:
+    """transformers' ``is_causal`` (off for a one-token query under a top-left mask) and ``sliding_window``
+    as flash-attn's ``causal`` and ``window_size``: in 5.23 a window of ``sliding_window`` keys, the query's
+    own included (flash-attn's left bound sliding_window - 1); it changes nothing where every document is
+    shorter, so it applies at any length."""
+    causal = is_causal and not (use_top_left_mask and query_length == 1)
+    return causal, (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+
+
 def _local_forward(query_states, key_states, value_states, attention_mask, query_length: int, is_causal: bool,
                    dropout: float = 0.0, position_ids=None, softmax_scale=None, sliding_window=None,
                    use_top_left_mask: bool = False, softcap=None, deterministic=None, cu_seq_lens_q=None,
@@ -124,10 +134,9 @@ def _local_forward(query_states, key_states, value_states, attention_mask, query
     if key_states.shape[1] != seq:
         raise NotImplementedError(f"queries ({seq}) and keys ({key_states.shape[1]}) of different lengths (a KV "
                                   "cache): run generation with attn_implementation='sdpa'")
-    causal = is_causal and not (use_top_left_mask and query_length == 1)
+    causal, window = _causal_and_window(is_causal, use_top_left_mask, query_length, sliding_window)
     _calls.refuse_unsupported(dropout, None, False, query_states.device)
     lengths, valid = _local_documents(batch, seq, attention_mask, position_ids, cu_seq_lens_q)
-    window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
 
     def settings():
         return "ring", batch * seq, _calls.document_mask(lengths, causal, window), None
@@ -159,13 +168,10 @@ def _ring_forward(held: _GroupOf, heads_k_stride: int, schedule, query_states, k
     if not DATA_PARAMS:
         raise RuntimeError("ring attention has no documents for this step: call update_ring_flash_attn_params("
                            "cu_seqlens, process_group) before the model's forward")
-    causal = is_causal and not (use_top_left_mask and query_length == 1)
+    causal, window = _causal_and_window(is_causal, use_top_left_mask, query_length, sliding_window)
     if deterministic is None:
         deterministic = os.environ.get("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
     _calls.refuse_unsupported(dropout, None, deterministic, query_states.device)
-    # transformers 5.23: a window of ``sliding_window`` keys, the query's own included (flash-attn's left bound
-    # sliding_window - 1); it changes nothing where every document is shorter, so it applies at any length
-    window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     cp = _calls.llama3_object(query_states, key_states, DATA_PARAMS["cu_seqlens_q"], DATA_PARAMS["cu_seqlens_k"],
                               DATA_PARAMS["max_seqlen_q"], DATA_PARAMS["max_seqlen_k"], heads_k_stride,
                               DATA_PARAMS["local_k_slice"], causal, window, held.group, schedule)
