@@ -56,10 +56,11 @@ def _auto_schedule(mask: Mask, seq_len: int, world: int, topology: Topology | No
     (``cpattn.cost.default_candidates``): its estimate plans :data:`AUTO_SHAPE` on every rank (under a
     second for small problems, tens of seconds at 64 ranks and 512K tokens; cached on disk afterwards).
 
-    Estimated on ``topology`` when given, else on the ``local`` preset: the calibration profile at the
-    default location, or conservative defaults without one (or with an unreadable one, with a warning).
-    Pure and deterministic, so every rank makes the same choice without communicating, as long as they
-    see the same topology (``ContextParallel`` derives it from the placement every rank holds).
+    Estimated on ``topology`` when given (``ContextParallel`` gives the caller's, or the one found where the
+    ranks run), else on the ``local`` preset: the calibration profile at the default location, or
+    conservative defaults without one (or with an unreadable one, with a warning). Pure and deterministic,
+    so every rank makes the same choice without communicating, as long as they see the same topology
+    (``ContextParallel`` derives it from the placement every rank holds).
     """
     if topology is None:
         topology = cost.presets.this_machine(world, "schedule='auto'")
@@ -197,9 +198,7 @@ class ContextParallel:
             raise error
         if self.schedule.hierarchical:  # rail and node groups now (collectively), never at run time
             self.comm.setup_levels(self.topology)
-        wire_topology = self.topology  # the algorithms wire bytes count with: a found shape without a named
-        if self._found is not None and not self._found.named:  # preset counts on generic figures, as it always has
-            wire_topology = Topology(self.topology.nodes, self.topology.devices_per_node)
+        wire_topology = self._wire_topology
         self.comm.set_topology(self.topology, lambda op, n: collectives.algorithm(CommOp(op, n), wire_topology))
         self._base: ContextParallel | None = None  # the object a view was made from (with_mask)
         self._views = BoundedCache(VIEWS_KEPT)  # views by mask, shared with every view of this object
@@ -230,19 +229,21 @@ class ContextParallel:
             raise TypeError(f"topology must be a cpattn.cost.Topology, a preset name ({', '.join(cost.presets.NAMES)}) "
                             f"or None, got {type(topology).__name__}")
         mesh_shape = self.comm.levels_shape
-        self._found = None
+        wire_topology = topology  # the topology whose collective algorithms wire bytes count with
         if not isinstance(topology, Topology):  # found where the ranks run (or a 2-D mesh's shape)
             whole = self.comm.group is None or self.comm.world_size == dist.get_world_size()
-            self._found = discovery.discover(self._places, self.comm.world_size, topology, whole, mesh_shape)
-            discovery.announce(self._found)
-            topology = self._found.topology
+            found = discovery.discover(self._places, self.comm.world_size, topology, whole, mesh_shape)
+            discovery.announce(found)
+            topology = wire_topology = found.topology
+            if not found.named:  # a found shape without a named preset counts on generic figures, as it always has
+                wire_topology = Topology(topology.nodes, topology.devices_per_node)
         if mesh_shape is not None and (topology.nodes, topology.devices_per_node) != mesh_shape:
             raise ValueError(f"the device mesh is {mesh_shape[0]} x {mesh_shape[1]} (inter-node x intra-node) but "
                              f"the topology is {topology.nodes} x {topology.devices_per_node}")
-        if topology is not None and topology.world != self.comm.world_size:
+        if topology.world != self.comm.world_size:
             raise ValueError(f"topology {topology.nodes} x {topology.devices_per_node} = {topology.world} ranks, "
                              f"but the group has {self.comm.world_size}")
-        self.topology = topology
+        self.topology, self._wire_topology = topology, wire_topology
         if schedule == "auto":
             even = layout_mod.round_up(seq_len, 2 * self.comm.world_size)  # padded for any built-in layout
             schedule, why = _auto_schedule(self.mask, even, self.comm.world_size, topology)
@@ -575,7 +576,7 @@ class ContextParallel:
         phase = "forward+backward" if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad) \
             else "forward"
         problem = self.problem(q, k)
-        topology = self.topology or Topology(1, self.world_size)
+        topology = self.topology
         plan = self.plan(q, k) if sched == self.schedule else None
         return cost.estimate(sched, problem, topology, phase, plan=plan).peak_memory
 
@@ -631,7 +632,7 @@ class ContextParallel:
             return self._plans.get(key, lambda: self._distribute_plan(q, k))
 
     def _distribute_plan(self, q: torch.Tensor, k: torch.Tensor):
-        topology = self.topology or cost.presets.this_machine(self.world_size, "planning")
+        topology = self.topology
         fast = self._base is not None  # a per-step mask is placed fast; the solver stays for the base mask
 
         def make():

@@ -49,7 +49,6 @@ from .core.masks import BlockKind
 from .core.memo import BoundedCache
 from .core.steps import Attend, CommOp, Local, LseMax, Step, Weigh, Zeros
 from .cost import inference as inference_cost
-from .cost.presets import this_machine
 
 #: accepted values of ``KVCache(merge=...)`` and ``KVCache(extend=...)``
 MERGE_CHOICES = ("auto", *inference_cost.MERGES)
@@ -172,7 +171,7 @@ class KVCache:
         # its programs' caches hold the last few steps' block lists only: every step brings new masks
         self._runtime = Runtime(self.comm, base.mask, base.layout, base.padded_len, backend=base.backend,
                                 block_cache=BoundedCache(STEP_CACHE), batch_cache=BoundedCache(STEP_CACHE))
-        self.topology = base.topology or this_machine(base.world_size, "KVCache")
+        self.topology = base.topology
         self.rank, self.world_size = base.rank, base.world_size
         self.layers, self.kv_heads, self.head_dim, self.rows = layers, kv_heads, head_dim, rows
         self.dtype = dtype
