@@ -110,8 +110,8 @@ class ContextParallelTrainer:
         self._cp_group = _consecutive_groups(self.cp_size, world, rank)
         self._contexts = BoundedCache(CONTEXTS_KEPT)
         self._step_cp: ContextParallel | None = None  # the ContextParallel of the batch being run
-        self._step_tokens = 0  # the real tokens of the group's batch being run (TRL's num_tokens)
-        self._step_labelled = 0  # this rank's labelled tokens of the batch being run
+        self._step_tokens = torch.zeros((), dtype=torch.long)  # the group's real tokens of the batch (TRL's num_tokens)
+        self._step_labelled: torch.Tensor | None = None  # this rank's labelled tokens of the batch being run
         self._own_step = self._reentered = False  # inside a subclass's prediction_step (prediction_step below)
         self._logged = False
 
@@ -210,7 +210,7 @@ class ContextParallelTrainer:
             raise ValueError("hf.Trainer: a batch needs input_ids [b, seq] or inputs_embeds [b, seq, hidden]")
         attention_mask = inputs.pop("attention_mask", None)
         # the group's real tokens, as TRL counts them: the attention mask's ones, else the packed row
-        self._step_tokens = int(attention_mask.sum()) if attention_mask is not None else tokens.shape[1]
+        self._step_tokens = attention_mask.sum() if attention_mask is not None else torch.tensor(tokens.shape[1])
         if attention_mask is not None and not bool(attention_mask.all()):
             inputs = _pack_rows(inputs, attention_mask)  # right-padded rows: their real tokens, one document each
             tokens = inputs["input_ids"]
@@ -239,7 +239,8 @@ class ContextParallelTrainer:
                 inputs[key] = inputs[key].masked_fill(padding, hf_common.IGNORE_INDEX)
         inputs["position_ids"] = positions.to(tokens.device)
         labelled = inputs.get("shift_labels", inputs.get("labels"))
-        self._step_labelled = int((labelled != hf_common.IGNORE_INDEX).sum()) if labelled is not None else 0
+        # kept on the device (read by an evaluation step only): no host sync in a training step
+        self._step_labelled = (labelled != hf_common.IGNORE_INDEX).sum() if labelled is not None else None
         if hasattr(getattr(self.model, "config", None), "use_cache"):
             inputs.setdefault("use_cache", False)  # no key/value cache of a whole sequence in training
         self._step_cp = cp
@@ -279,7 +280,8 @@ class ContextParallelTrainer:
             loss, logits, labels = self._predict_without_labels(model, inputs, prediction_loss_only, ignore_keys)
         cp = self._step_cp
         if loss is not None and cp.world_size > 1 and local_mean:  # the group's mean: weighted by the counts
-            count = torch.tensor(float(self._step_labelled), dtype=loss.dtype, device=loss.device)
+            count = torch.zeros((), dtype=loss.dtype, device=loss.device) if self._step_labelled is None \
+                else self._step_labelled.to(device=loss.device, dtype=loss.dtype)
             both = torch.stack([loss.detach().reshape(()) * count, count])
             dist.all_reduce(both, group=cp.comm.group)
             loss = both[0] / both[1].clamp(min=1)
@@ -312,7 +314,7 @@ class ContextParallelTrainer:
             accelerator.__dict__.pop("gather_for_metrics", None)
         metrics = getattr(self, "_metrics", None)
         if before is not None and isinstance(metrics, dict) and "train" in metrics and self.model.training:
-            count = accelerator.gather(torch.tensor(self._step_tokens, device=accelerator.device)).sum().item()
+            count = accelerator.gather(self._step_tokens.to(accelerator.device)).sum().item()
             self._total_train_tokens = before + count // self.cp_size
             metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return result
@@ -392,13 +394,13 @@ def take_context_parallel(args, cp_size: int | None) -> int:
     ``Accelerator`` is built, so accelerate (and TRL's checks) never see context parallelism: on a CPU no
     ``ParallelismConfig`` remains (data parallel over the CP groups); on GPUs the CP ranks join
     ``dp_shard`` (FSDP2 over ``dp_shard x cp`` ranks, the mesh accelerate would shard over)."""
-    config = getattr(args, "parallelism_config", None)
+    given = getattr(args, "parallelism_config", None)
     from_env = os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
-    if config is None and not from_env:
+    if given is None and not from_env:
         return cp_size or 1
     from accelerate import ParallelismConfig
 
-    config = config if config is not None else ParallelismConfig()
+    config = given if given is not None else ParallelismConfig()
     if config.tp_size > 1 or config.sp_size > 1:
         raise NotImplementedError(_UNSUPPORTED_DIMS.format(cls="context_parallel", tp=config.tp_size,
                                                            sp=config.sp_size))
@@ -406,7 +408,7 @@ def take_context_parallel(args, cp_size: int | None) -> int:
         raise ValueError(f"cp_size={cp_size} disagrees with ParallelismConfig(cp_size={config.cp_size}): give the "
                          "context-parallel degree once (either is enough)")
     size = config.cp_size if config.cp_size > 1 else (cp_size or 1)
-    if config.cp_size == 1 and args is not None and getattr(args, "parallelism_config", None) is not None:
+    if config.cp_size == 1 and given is not None:
         return size  # nothing to take out: data-parallel dimensions only (accelerate checks them)
     on_cpu = bool(getattr(args, "use_cpu", False)) or not torch.cuda.is_available()
     kept = None if on_cpu else ParallelismConfig(
