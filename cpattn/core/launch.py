@@ -23,6 +23,8 @@ OMPI_ENV = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOC
             "OMPI_COMM_WORLD_LOCAL_SIZE")
 #: MPICH's (and Intel MPI's) variables (``mpirun`` / ``mpiexec`` of MPICH, Hydra)
 MPICH_ENV = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+#: an srun step's task count, else the allocation's
+SLURM_COUNTS = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
 #: SLURM step ids that are not an ``srun`` step: the batch script's and the extern step's
 SLURM_NON_STEPS = ("batch", "extern", "interactive", "4294967294", "4294967293", "4294967291")
 #: the port of an ``srun`` launch without ``MASTER_PORT``: SLURM_PORT_BASE + SLURM_JOB_ID mod SLURM_PORT_SPAN
@@ -207,7 +209,7 @@ def first_host(nodelist: str) -> str:
 
 
 def _srun(environ: Mapping[str, str]) -> Launch:
-    counts = [name for name in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if _set(environ, name)]
+    counts = [name for name in SLURM_COUNTS if _set(environ, name)]
     names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_NUM_TASKS")
     _missing(environ, ["SLURM_PROCID", "SLURM_LOCALID"] + ([] if counts else ["SLURM_STEP_NUM_TASKS"]), "srun",
              names)
@@ -252,8 +254,7 @@ def claimed_world(environ: Mapping[str, str]) -> tuple[str, str, int | None] | N
     launcher = launcher_of(environ)
     if launcher is None:
         return None
-    names = {"torchrun": ("WORLD_SIZE",), "mpirun": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
-             "srun": ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")}[launcher]
+    names = {"torchrun": ("WORLD_SIZE",), "mpirun": (OMPI_ENV[1], MPICH_ENV[1]), "srun": SLURM_COUNTS}[launcher]
     for name in names:
         if _set(environ, name):
             text = environ[name].strip()

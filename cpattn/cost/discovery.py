@@ -115,9 +115,8 @@ def _figures(places: Sequence[Place] | None, nodes: int, per_node: int, name: st
     hosts = {p.host for p in places} if places is not None else set()
     digests = {p.profile for p in places} if places is not None else set()
     if len(hosts) <= 1 and len(digests) <= 1:  # one host: what schedule='auto' always used there
-        topology = presets.this_machine(world, "the topology")
-        if nodes > 1:
-            topology = presets.local(world, _profile(), cores=os.cpu_count() or 1, nodes=nodes)
+        topology = presets.this_machine(world, "the topology") if nodes == 1 else \
+            presets.local(world, _profile(), cores=os.cpu_count() or 1, nodes=nodes)
         return topology, _local_source(topology) + via
     if len(digests) > 1:
         why = "the ranks' calibration profiles differ"

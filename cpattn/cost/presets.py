@@ -292,12 +292,10 @@ def preset(name: str, world: int, profile: Profile | None = None, algorithm: str
     else from its data-sheet / paper figures; its device's name says which.
     ``algorithm``: the collective algorithms (``Topology.algorithm``; default ``"auto"``, and for
     ``local`` the algorithms its calibration fitted)."""
-    key = name.lower().replace("_", "-")
+    key = preset_key(name)
     if key == "local":
         topo = local(world, profile if profile is not None else load_default(), cores=os.cpu_count() or 1)
         return topo if algorithm is None else replace(topo, algorithm=algorithm)
-    if key not in PRESETS:
-        raise ValueError(f"topology preset {name!r} is unknown; accepted: {', '.join(NAMES)}")
     spec = PRESETS[key]
     nodes, per_node = _nodes(key, world, spec["devices_per_node"])
     device = spec["device"]
